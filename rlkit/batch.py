@@ -1,0 +1,297 @@
+"""The one batch type: a ``tensordict.TensorDict`` with one row per sampled response.
+
+Fields (einops names; ``b`` rows, ``p`` prompt length, ``t`` response length):
+
+==================  ========  =====  =========================================================
+field               shape     dtype  meaning
+==================  ========  =====  =========================================================
+prompt_ids          (b p)     long   prompt tokens, LEFT-padded with the pad id
+prompt_mask         (b p)     bool   True on real prompt tokens
+response_ids        (b t)     long   sampled tokens, RIGHT-padded with the pad id
+response_mask       (b t)     bool   True on generated tokens (stop token included)
+logprobs            (b t)     f32    behaviour log-probs from the rollout engine
+old_logprobs        (b t)     f32    log-probs recomputed by the trainer before the update
+ref_logprobs        (b t)     f32    log-probs of the frozen reference model
+values              (b t)     f32    critic values (PPO)
+rewards             (b)       f32    sequence-level reward (sum of weighted reward functions)
+token_rewards       (b t)     f32    per-token reward (KL-in-reward, overlong penalty, ...)
+advantages          (b t)     f32    advantage estimates
+returns             (b t)     f32    value targets
+group               (b)       long   which prompt a response belongs to (equal id = same prompt)
+truncated           (b)       bool   response hit max_new_tokens without a stop token
+policy_version      (b)       long   version of the weights that sampled the row
+==================  ========  =====  =========================================================
+
+Non-tensor columns (``prompt_text``, ``response_text`` and any per-prompt data such as
+``answer``) are stored as ``NonTensorStack`` and follow rows through indexing and ``cat``.
+
+The padded layout is the API; :func:`packed` gives the variable-length view for hot paths.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+from tensordict import NonTensorStack, TensorDict
+
+Batch = TensorDict
+
+#: field -> (rank, dtype kind) for validation; kind: "int", "bool", "float"
+FIELDS: dict[str, tuple[int, str]] = {
+    "prompt_ids": (2, "int"),
+    "prompt_mask": (2, "bool"),
+    "response_ids": (2, "int"),
+    "response_mask": (2, "bool"),
+    "logprobs": (2, "float"),
+    "old_logprobs": (2, "float"),
+    "ref_logprobs": (2, "float"),
+    "values": (2, "float"),
+    "rewards": (1, "float"),
+    "token_rewards": (2, "float"),
+    "advantages": (2, "float"),
+    "returns": (2, "float"),
+    "group": (1, "int"),
+    "truncated": (1, "bool"),
+    "policy_version": (1, "int"),
+}
+RESPONSE_ALIGNED = {k for k, (rank, _) in FIELDS.items() if rank == 2 and not k.startswith("prompt")}
+TEXT_FIELDS = ("prompt_text", "response_text")
+
+
+class BatchError(ValueError):
+    """A Batch field has the wrong shape, dtype or content. The message names the field."""
+
+
+def _pad_right(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        if len(r):
+            ids[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+            mask[i, : len(r)] = True
+    return ids, mask
+
+
+def _pad_left(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        if len(r):
+            ids[i, width - len(r) :] = torch.as_tensor(list(r), dtype=torch.long)
+            mask[i, width - len(r) :] = True
+    return ids, mask
+
+
+def make_batch(
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    *,
+    pad_token_id: int = 0,
+    group: Sequence[int] | torch.Tensor | None = None,
+    logprobs: Sequence[Sequence[float]] | None = None,
+    rewards: Sequence[float] | torch.Tensor | None = None,
+    columns: Mapping[str, Sequence[Any]] | None = None,
+    device: torch.device | str | None = None,
+) -> Batch:
+    """Build a Batch from lists of token ids (one prompt and one response per row).
+
+    >>> b = make_batch([[5, 6], [7]], [[1, 2, 3], [4]], group=[0, 0], rewards=[1.0, 0.0])
+    >>> b["prompt_ids"].tolist(), b["response_mask"].tolist()
+    ([[5, 6], [0, 7]], [[True, True, True], [True, False, False]])
+    """
+    if len(prompt_ids) != len(response_ids):
+        raise BatchError(
+            f"prompt_ids has {len(prompt_ids)} rows but response_ids has {len(response_ids)}; "
+            "give one prompt per response (repeat a prompt for each of its samples)"
+        )
+    if len(prompt_ids) == 0:
+        raise BatchError("prompt_ids is empty: a Batch needs at least one row")
+    p_ids, p_mask = _pad_left(prompt_ids, pad_token_id)
+    r_ids, r_mask = _pad_right(response_ids, pad_token_id)
+    b = len(prompt_ids)
+    fields: dict[str, Any] = {
+        "prompt_ids": p_ids,
+        "prompt_mask": p_mask,
+        "response_ids": r_ids,
+        "response_mask": r_mask,
+        "group": torch.as_tensor(group, dtype=torch.long) if group is not None else torch.arange(b),
+    }
+    if logprobs is not None:
+        lp = torch.zeros(r_ids.shape, dtype=torch.float32)
+        for i, row in enumerate(logprobs):
+            if len(row) != len(response_ids[i]):
+                raise BatchError(f"logprobs row {i} has {len(row)} values but response {i} has {len(response_ids[i])} tokens")
+            lp[i, : len(row)] = torch.as_tensor(list(row), dtype=torch.float32)
+        fields["logprobs"] = lp
+    if rewards is not None:
+        fields["rewards"] = torch.as_tensor(rewards, dtype=torch.float32)
+    batch = TensorDict(fields, batch_size=[b], device=device)
+    for name, values in (columns or {}).items():
+        set_column(batch, name, values)
+    validate(batch)
+    return batch
+
+
+def set_column(batch: Batch, name: str, values: Sequence[Any]) -> None:
+    """Attach a non-tensor per-row column (text, answers, metadata)."""
+    values = list(values)
+    if len(values) != batch.batch_size[0]:
+        raise BatchError(f"column {name!r} has {len(values)} values but the batch has {batch.batch_size[0]} rows")
+    batch[name] = NonTensorStack(*values)
+
+
+def column(batch: Batch, name: str) -> list[Any]:
+    """A non-tensor column as a plain list (``column(batch, "response_text")``)."""
+    if name not in batch.keys():
+        raise BatchError(f"batch has no column {name!r}; it has {sorted(batch.keys())}")
+    value = batch.get(name)
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if hasattr(value, "tolist"):
+        return list(value.tolist())
+    return [value] * batch.batch_size[0]
+
+
+def columns(batch: Batch) -> list[str]:
+    """Names of the non-tensor columns."""
+    return [k for k in batch.keys() if not isinstance(batch.get(k), torch.Tensor)]
+
+
+def _kind(t: torch.Tensor) -> str:
+    if t.dtype == torch.bool:
+        return "bool"
+    if t.is_floating_point():
+        return "float"
+    return "int"
+
+
+def validate(batch: Batch, require: Iterable[str] = ()) -> Batch:
+    """Check field shapes, dtypes and masks; raise :class:`BatchError` naming the bad field.
+
+    ``require``: fields that must be present (e.g. ``("rewards",)`` before ``advantage``).
+    Returns the batch so calls can be chained.
+    """
+    if not isinstance(batch, TensorDict):
+        raise BatchError(f"expected a Batch (tensordict.TensorDict), got {type(batch).__name__}; build one with rlkit.make_batch")
+    if len(batch.batch_size) != 1:
+        raise BatchError(f"a Batch has exactly one batch dimension (one row per response), got batch_size={tuple(batch.batch_size)}")
+    keys = set(batch.keys())
+    for name in require:
+        if name not in keys:
+            raise BatchError(f"batch has no field {name!r} (fields: {sorted(keys)}); {_how_to_get(name)}")
+    b = batch.batch_size[0]
+    t = batch["response_ids"].shape[1] if "response_ids" in keys else None
+    p = batch["prompt_ids"].shape[1] if "prompt_ids" in keys else None
+    for name, (rank, kind) in FIELDS.items():
+        if name not in keys:
+            continue
+        value = batch.get(name)
+        if not isinstance(value, torch.Tensor):
+            raise BatchError(f"field {name!r} must be a tensor, got {type(value).__name__}")
+        if value.dim() != rank:
+            raise BatchError(f"field {name!r} must have shape {'(b t)' if rank == 2 else '(b)'}, got {tuple(value.shape)}")
+        if _kind(value) != kind:
+            raise BatchError(f"field {name!r} must have a {kind} dtype, got {value.dtype}")
+        if rank == 2:
+            want = p if name.startswith("prompt") else t
+            if want is not None and value.shape[1] != want:
+                other = "prompt_ids" if name.startswith("prompt") else "response_ids"
+                raise BatchError(
+                    f"field {name!r} has shape {tuple(value.shape)} but {other} has {want} columns; "
+                    f"every response-aligned field must be (b t) = ({b} {want})"
+                )
+        if kind == "float" and name != "token_rewards" and not name.endswith("logprobs"):
+            bad = ~torch.isfinite(value)
+            if name == "rewards" and bad.any():
+                rows = bad.nonzero().flatten()[:5].tolist()
+                raise BatchError(f"field 'rewards' is not finite at rows {rows} (values {value[rows].tolist()}); fix the reward function")
+    if "response_mask" in keys:
+        mask = batch["response_mask"]
+        if b > 0 and not mask.any():
+            raise BatchError("field 'response_mask' is all False: no response token to train on; check the rollout or the masks you built")
+    return batch
+
+
+def _how_to_get(name: str) -> str:
+    return {
+        "rewards": "call rlkit.score(batch, reward_fn) first",
+        "advantages": "call rlkit.advantage(batch, 'grpo') first",
+        "returns": "call rlkit.advantage(batch, 'gae') first (it fills returns)",
+        "values": "the PPO recipe fills it from the critic (rlkit.transforms.compute_values)",
+        "ref_logprobs": "pass ref=... to rlkit.init or drop the KL penalty",
+        "logprobs": "batches from rlkit.rollout carry it; for hand-made batches pass logprobs= to make_batch",
+        "group": "pass group= to make_batch (equal ids for samples of the same prompt)",
+    }.get(name, "see rlkit.batch for how each field is produced")
+
+
+def group_size(batch: Batch) -> int:
+    """Samples per prompt; raises if groups are not all the same size."""
+    group = batch["group"]
+    _, counts = torch.unique(group, return_counts=True)
+    if (counts != counts[0]).any():
+        raise BatchError(
+            f"field 'group' has groups of different sizes {sorted(set(counts.tolist()))}; "
+            "group estimators need the same number of samples per prompt"
+        )
+    return int(counts[0])
+
+
+def response_lengths(batch: Batch) -> torch.Tensor:
+    """(b) number of response tokens per row."""
+    return batch["response_mask"].sum(-1)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Variable-length view of prompt+response rows, concatenated without padding.
+
+    - input_ids     (n)  long: all rows' prompt then response tokens, back to back
+    - position_ids  (n)  long: restart at 0 for each row
+    - cu_seqlens    (b+1) int32: row boundaries (flash-attention convention)
+    - response_index (m) long: positions in ``input_ids`` holding response tokens
+      (``m = response_mask.sum()``); the logit predicting it sits at ``response_index - 1``
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    response_index: torch.Tensor
+    max_seqlen: int
+
+
+def packed(batch: Batch) -> Packed:
+    """Pack prompt+response of every row into one padding-free sequence (vectorised)."""
+    p_ids, p_mask = batch["prompt_ids"], batch["prompt_mask"]
+    r_ids, r_mask = batch["response_ids"], batch["response_mask"]
+    ids = torch.cat([p_ids, r_ids], dim=1)
+    mask = torch.cat([p_mask, r_mask], dim=1)
+    is_response = torch.cat([torch.zeros_like(p_mask), r_mask], dim=1)
+    flat_mask = mask.flatten()
+    input_ids = ids.flatten()[flat_mask]
+    lengths = mask.sum(1)
+    position_ids = (mask.cumsum(1) - 1).flatten()[flat_mask]
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=ids.device)
+    cu[1:] = lengths.cumsum(0)
+    response_index = is_response.flatten()[flat_mask].nonzero().flatten()
+    return Packed(input_ids, position_ids, cu, response_index, int(lengths.max()) if len(lengths) else 0)
+
+
+def unpack_response(values: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Scatter per-response-token values (m,) back into the padded (b t) layout (0 elsewhere)."""
+    out = torch.zeros(batch["response_mask"].shape, dtype=values.dtype, device=values.device)
+    out[batch["response_mask"]] = values
+    return out
+
+
+def split(batch: Batch, size: int) -> list[Batch]:
+    """Consecutive chunks of ``size`` rows (the last may be smaller)."""
+    b = batch.batch_size[0]
+    return [batch[i : i + size] for i in range(0, b, size)]
+
+
+def num_chunks(b: int, size: int) -> int:
+    return math.ceil(b / size)

@@ -1,0 +1,89 @@
+"""The rollout-engine interface: token ids in, token ids + behaviour log-probs out.
+
+Every engine (the built-in torch engine, transformers' ``generate``, vLLM) returns the same
+:class:`Generation`, so ``rollout()`` and everything downstream never care which one ran.
+
+Row order is prompt-major: row ``i * n + j`` is the ``j``-th sample of prompt ``i``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``temperature == 0`` means greedy decoding.
+
+    ``top_k <= 0`` and ``top_p >= 1`` disable those filters. ``stop_token_ids``: generation of a
+    row ends after it samples one of them (the stop token is part of the response and of its
+    mask). ``ignore_stop`` forces exactly ``max_new_tokens`` tokens (benchmarks).
+    """
+
+    n: int = 1
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_stop: bool = False
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Generation:
+    """What an engine returns, for ``B`` prompts x ``n`` samples = ``b`` rows.
+
+    Shapes (einops names): ``b = B * n``, ``t`` = longest response in this call.
+    - response_ids   (b t) long, right-padded with ``pad_token_id``
+    - response_mask  (b t) bool, True on generated tokens (including the stop token)
+    - logprobs       (b t) float32, log-prob of each sampled token under the distribution it
+                     was sampled from (after temperature / top-k / top-p); 0 where masked.
+                     Greedy decoding reports the plain log-softmax (temperature 1).
+    - truncated      (b)   bool, True where the row hit ``max_new_tokens`` without a stop token
+    - prompt_index   (b)   long, which input prompt the row came from
+    """
+
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+    truncated: torch.Tensor
+    prompt_index: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A rollout engine. Implementations: ``TorchEngine``, ``HFEngine``, ``VLLMEngine``."""
+
+    #: incremented by ``load_weights``; reported in every Batch as ``policy_version``
+    policy_version: int
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> Generation:
+        """Sample ``params.n`` responses per prompt. ``prompt_ids``: unpadded token ids."""
+        ...
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]], *, version: int) -> dict[str, float]:
+        """Take new weights (Hugging Face parameter names); returns ``{"bytes": .., "seconds": ..}``.
+
+        Engines that read the training parameters' own storage may make this a no-op apart from
+        bumping ``policy_version``.
+        """
+        ...
