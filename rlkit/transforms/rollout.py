@@ -1,0 +1,206 @@
+"""``rollout(state, prompts, n=...) -> Batch``: sample responses with the actor's weights.
+
+Token in, token out: the Batch carries the sampled ids, the behaviour log-probs the engine
+sampled them with, the policy version that produced them and the decoded text for rewards.
+
+The engine is built once and cached with the state (default: the built-in torch engine, which
+reads the actor's own parameter storage, so a weight sync is free). An engine with its own copy
+of the weights is synced whenever its ``policy_version`` lags the state's, so a stale engine is
+impossible by construction.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+
+from rlkit.batch import Batch, make_batch, set_column
+from rlkit.data import Prompts, as_prompts
+from rlkit.engines.base import Engine, SamplingParams
+from rlkit.state import TrainState, fold_in, generator
+
+ENGINES = ("torch", "hf", "vllm")
+
+
+def make_engine(state: TrainState, kind: str = "torch", **kwargs) -> Engine:
+    """Build a rollout engine for the state's actor: "torch" (built-in), "hf" or "vllm"."""
+    model = state.actor
+    if kind == "torch":
+        from rlkit.engines.torch_engine import TorchEngine
+
+        return TorchEngine.from_model(model, **kwargs)
+    if kind == "hf":
+        from rlkit.engines.hf_engine import HFEngine
+
+        return HFEngine(model, state.tokenizer, **kwargs)
+    if kind == "vllm":
+        from rlkit.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine.from_model(model, state.tokenizer, **kwargs)
+    raise ValueError(f"unknown engine {kind!r}; valid: {', '.join(ENGINES)} (or pass an Engine object)")
+
+
+def get_engine(state: TrainState, engine: str | Engine | None = None) -> Engine:
+    if engine is not None and not isinstance(engine, str):
+        return engine
+    cache = state._cache
+    kind = engine or cache.get("engine_kind", "torch")
+    current = cache.get("engine")
+    if current is None or cache.get("engine_kind") != kind:
+        current = make_engine(state, kind)
+        current.policy_version = state.policy_version
+        cache["engine"], cache["engine_kind"] = current, kind
+    return current
+
+
+def sync_engine(state: TrainState, engine: Engine) -> dict[str, float]:
+    """Bring the engine to the state's policy version (no-op for shared-storage engines)."""
+    if engine.policy_version == state.policy_version:
+        return {}
+    if getattr(engine, "shares_storage", False):
+        engine.policy_version = state.policy_version
+        return {"sync/bytes": 0.0, "sync/seconds": 0.0}
+    sync_fn = state._cache.get("weight_sync")
+    if sync_fn is not None:
+        report = sync_fn(state, engine)
+    else:
+        named = [(k, v.detach()) for k, v in state.actor.state_dict().items()]
+        report = engine.load_weights(named, version=state.policy_version)
+    engine.policy_version = state.policy_version
+    return {f"sync/{k}": float(v) for k, v in (report or {}).items()}
+
+
+def rollout(
+    state: TrainState,
+    prompts: Prompts | Sequence[str] | Sequence[dict],
+    *,
+    n: int = 1,
+    max_new_tokens: int = 16,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_token_ids: Sequence[int] | None = None,
+    ignore_stop: bool = False,
+    seed: int | None = None,
+    engine: str | Engine | None = None,
+    decode: bool = True,
+) -> Batch:
+    """Sample ``n`` responses per prompt; returns a Batch (prompt-major rows, ``group`` = prompt).
+
+    ``seed`` defaults to ``fold_in(state.seed, state.step)``: the same state samples the same
+    responses, and a resumed run samples what the uninterrupted run would. Pass a different
+    seed (``rk.fold_in(state.seed, state.step, attempt)``) to resample within one step.
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"rollout expects a TrainState first (from rk.init), got {type(state).__name__}")
+    tokenizer = state.tokenizer
+    prompts = as_prompts(prompts, tokenizer)
+    if len(prompts) == 0:
+        raise ValueError("rollout got no prompts")
+    for i, ids in enumerate(prompts.ids):
+        if not ids:
+            raise ValueError(f"prompt {i} tokenized to zero tokens ({prompts.text[i]!r}); give non-empty prompts")
+    if stop_token_ids is None:
+        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        stop_token_ids = () if eos is None else (eos,)
+    max_pos = getattr(getattr(state.actor, "config", None), "max_position_embeddings", None)
+    longest = max(len(p) for p in prompts.ids)
+    if max_pos is not None and longest + max_new_tokens > max_pos:
+        i = max(range(len(prompts)), key=lambda k: len(prompts.ids[k]))
+        raise ValueError(
+            f"prompt {i} has {longest} tokens; with max_new_tokens={max_new_tokens} that exceeds the model's "
+            f"context of {max_pos} tokens (max_position_embeddings). Shorten the prompt, lower max_new_tokens, "
+            "or load prompts with max_prompt_tokens=..., truncate=True"
+        )
+    params = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            stop_token_ids=tuple(stop_token_ids), ignore_stop=ignore_stop)
+    eng = get_engine(state, engine)
+    sync = sync_engine(state, eng)
+    key = fold_in(state.seed, state.step, "rollout") if seed is None else seed
+    device = state.device
+    gen = generator(key, device=device if device.type in ("cpu", "cuda") else "cpu")
+    t0 = time.perf_counter()
+    out = eng.generate(prompts.ids, params, generator=gen)
+    seconds = time.perf_counter() - t0
+    index = out.prompt_index.cpu()
+    b = len(index)
+    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    pad = 0 if pad is None else pad
+    prompt_rows = [prompts.ids[i] for i in index.tolist()]
+    from rlkit.batch import _pad_left
+
+    p_ids, p_mask = _pad_left(prompt_rows, pad)
+    batch = Batch(
+        {
+            "prompt_ids": p_ids,
+            "prompt_mask": p_mask,
+            "response_ids": out.response_ids.cpu(),
+            "response_mask": out.response_mask.cpu().bool(),
+            "logprobs": out.logprobs.cpu().float(),
+            "truncated": out.truncated.cpu().bool(),
+            "group": index.clone(),
+            "policy_version": torch.full((b,), state.policy_version, dtype=torch.long),
+        },
+        batch_size=[b],
+    )
+    set_column(batch, "prompt_text", [prompts.text[i] for i in index.tolist()])
+    for name, values in prompts.columns.items():
+        set_column(batch, name, [values[i] for i in index.tolist()])
+    if decode and tokenizer is not None:
+        texts = tokenizer.batch_decode([r[m].tolist() for r, m in zip(batch["response_ids"], batch["response_mask"])], skip_special_tokens=True)
+        set_column(batch, "response_text", texts)
+    tokens = float(batch["response_mask"].sum())
+    metrics = {
+        "rollout/seconds": seconds,
+        "rollout/tokens": tokens,
+        "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
+        "rollout/truncated_frac": float(batch["truncated"].float().mean()),
+        "rollout/response_len": tokens / b,
+        **sync,
+        **{f"rollout/{k}": float(v) for k, v in out.metrics.items()},
+    }
+    batch.set_non_tensor("rollout_metrics", metrics)
+    return batch
+
+
+def rollout_metrics(batch: Batch) -> dict[str, float]:
+    """The timing/length metrics ``rollout`` attached to a batch ({} if none)."""
+    try:
+        value = batch.get_non_tensor("rollout_metrics")
+    except KeyError:
+        return {}
+    return dict(value) if isinstance(value, dict) else {}
+
+
+def concat(batches: Sequence[Batch]) -> Batch:
+    """Concatenate batches, renumbering ``group`` ids so groups from different calls never merge."""
+    from rlkit.batch import _pad_left, _pad_right  # noqa: F401
+
+    if not batches:
+        raise ValueError("concat needs at least one batch")
+    widths_p = max(b["prompt_ids"].shape[1] for b in batches)
+    widths_t = max(b["response_ids"].shape[1] for b in batches)
+    parts, offset = [], 0
+    for b in batches:
+        b = b.clone(recurse=False)
+        for k in list(b.keys()):
+            v = b.get(k)
+            if isinstance(v, torch.Tensor) and v.dim() == 2:
+                if k.startswith("prompt"):
+                    extra = widths_p - v.shape[1]
+                    if extra:
+                        fill = 0
+                        b.set(k, torch.cat([torch.full((v.shape[0], extra), fill, dtype=v.dtype), v], 1))
+                else:
+                    extra = widths_t - v.shape[1]
+                    if extra:
+                        b.set(k, torch.cat([v, torch.zeros((v.shape[0], extra), dtype=v.dtype)], 1))
+        g = b["group"]
+        _, inverse = torch.unique(g, return_inverse=True)
+        b.set("group", inverse + offset)
+        offset += int(inverse.max()) + 1 if len(inverse) else 0
+        if "rollout_metrics" in b.keys():
+            del b["rollout_metrics"]
+        parts.append(b)
+    return torch.cat(parts)

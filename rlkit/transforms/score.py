@@ -1,0 +1,175 @@
+"""``score(batch, reward) -> Batch``: run reward functions and write ``rewards (b)``.
+
+Accepted reward functions, detected by their signature, used unchanged:
+
+- **TRL style** (batched): ``f(completions, prompts=..., completion_ids=..., **columns) -> list[float]``
+  — ``completions`` is the decoded response text; any keyword the function names that is a
+  column of the batch (``answer``, ``ground_truth``, ...) is passed as a list.
+- **verl style** (per sample): ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``
+  returning a float or a dict with a ``"score"`` key.
+- **Batch style**: ``f(batch) -> Tensor (b)`` (one parameter named ``batch``), e.g. a
+  :class:`rlkit.rewards.RewardModel` (a sequence classifier as the reward role).
+
+Several rewards: pass a list or a ``{name: fn}`` dict, with ``weights``; each one's value is kept
+as ``reward/<name>`` and ``rewards`` is their weighted sum.
+
+A reward that raises, returns NaN/inf or the wrong number of values is an error that names the
+reward and the sample (its row, prompt and response).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from rlkit.batch import Batch, BatchError, column, columns, validate
+
+
+class RewardError(ValueError):
+    """A reward function failed, or returned a bad value; the message names the sample."""
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def reward_style(fn: Callable) -> str:
+    """'verl', 'trl' or 'batch' — how ``score`` calls ``fn``."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return "trl"
+    names = list(params)
+    if "solution_str" in params:
+        return "verl"
+    if names and names[0] == "batch" and len(names) == 1:
+        return "batch"
+    return "trl"
+
+
+def _texts(batch: Batch, name: str, tokenizer) -> list[str]:
+    if name in batch.keys():
+        return column(batch, name)
+    ids_field, mask_field = ("response_ids", "response_mask") if name == "response_text" else ("prompt_ids", "prompt_mask")
+    if tokenizer is None:
+        raise BatchError(f"batch has no {name!r} column and no tokenizer was given to decode {ids_field}; pass tokenizer=")
+    ids, mask = batch[ids_field], batch[mask_field]
+    return [tokenizer.decode(row[m].tolist(), skip_special_tokens=True) for row, m in zip(ids, mask)]
+
+
+def _sample_desc(batch: Batch, i: int, prompts: list[str], completions: list[str]) -> str:
+    p, c = prompts[i], completions[i]
+    clip = lambda s: s if len(s) <= 80 else s[:77] + "..."  # noqa: E731
+    return f"sample {i} (prompt {clip(p)!r}, response {clip(c)!r})"
+
+
+def _call_trl(fn, batch, prompts, completions) -> list[Any]:
+    params = inspect.signature(fn).parameters
+    has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    available: dict[str, Any] = {"prompts": prompts, "completion_ids": [r[m].tolist() for r, m in zip(batch["response_ids"], batch["response_mask"])]}
+    for name in columns(batch):
+        if name not in ("prompt_text", "response_text"):
+            available[name] = column(batch, name)
+    kwargs = {k: v for k, v in available.items() if has_var_kw or k in params}
+    return list(fn(completions, **kwargs))
+
+
+def _call_verl(fn, batch, i, completions) -> Any:
+    cols = set(columns(batch))
+    get = lambda name, default=None: column(batch, name)[i] if name in cols else default  # noqa: E731
+    truth = get("ground_truth", get("answer"))
+    out = fn(data_source=get("data_source"), solution_str=completions[i], ground_truth=truth, extra_info=get("extra_info"))
+    if isinstance(out, Mapping):
+        if "score" not in out:
+            raise RewardError(f"reward {_name(fn)!r} returned a dict without a 'score' key: {sorted(out)}")
+        out = out["score"]
+    return out
+
+
+def _run_one(fn: Callable, batch: Batch, prompts: list[str], completions: list[str]) -> torch.Tensor:
+    b = batch.batch_size[0]
+    style = reward_style(fn)
+    name = _name(fn)
+    if style == "batch":
+        values = fn(batch)
+    elif style == "verl":
+        values = []
+        for i in range(b):
+            try:
+                values.append(_call_verl(fn, batch, i, completions))
+            except RewardError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - re-raised with the sample named
+                raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} on {_sample_desc(batch, i, prompts, completions)}") from exc
+    else:
+        try:
+            values = _call_trl(fn, batch, prompts, completions)
+        except Exception as exc:  # noqa: BLE001
+            # find the first sample that fails on its own, so the error names it
+            for i in range(b):
+                try:
+                    _call_trl(fn, batch[i : i + 1], prompts[i : i + 1], completions[i : i + 1])
+                except Exception:  # noqa: BLE001
+                    raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} on {_sample_desc(batch, i, prompts, completions)}") from exc
+            raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} (on the whole batch; every sample alone succeeded)") from exc
+    try:
+        tensor = torch.as_tensor(values if isinstance(values, torch.Tensor) else [float(v) if v is not None else math.nan for v in values], dtype=torch.float32)
+    except (TypeError, ValueError) as exc:
+        raise RewardError(f"reward {name!r} must return numbers, got {str(values)[:200]}") from exc
+    tensor = tensor.detach().float().flatten().cpu()
+    if tensor.numel() != b:
+        raise RewardError(f"reward {name!r} returned {tensor.numel()} values for a batch of {b} responses; return one number per completion")
+    bad = (~torch.isfinite(tensor)).nonzero().flatten()
+    if len(bad):
+        i = int(bad[0])
+        raise RewardError(f"reward {name!r} returned {tensor[i].item()} for {_sample_desc(batch, i, prompts, completions)} ({len(bad)} non-finite in all); rewards must be finite numbers")
+    return tensor
+
+
+def score(
+    batch: Batch,
+    reward: Callable | Sequence[Callable] | Mapping[str, Callable],
+    *,
+    weights: Sequence[float] | Mapping[str, float] | None = None,
+    tokenizer: Any = None,
+) -> Batch:
+    """Score every response; returns a new Batch with ``rewards (b)`` and ``reward/<name> (b)``."""
+    validate(batch, require=("response_ids", "response_mask"))
+    if isinstance(reward, Mapping):
+        fns = dict(reward)
+    elif callable(reward):
+        fns = {_name(reward): reward}
+    else:
+        fns = {}
+        for fn in reward:
+            key, k = _name(fn), 1
+            while key in fns:
+                k += 1
+                key = f"{_name(fn)}_{k}"
+            fns[key] = fn
+    if not fns:
+        raise RewardError("score needs at least one reward function")
+    if weights is None:
+        w = {k: 1.0 for k in fns}
+    elif isinstance(weights, Mapping):
+        missing = set(fns) - set(weights)
+        if missing:
+            raise RewardError(f"weights has no entry for reward(s) {sorted(missing)}; weights keys: {sorted(weights)}")
+        w = {k: float(weights[k]) for k in fns}
+    else:
+        weights = list(weights)
+        if len(weights) != len(fns):
+            raise RewardError(f"weights has {len(weights)} values for {len(fns)} reward functions")
+        w = dict(zip(fns, map(float, weights)))
+    completions = _texts(batch, "response_text", tokenizer)
+    prompts = _texts(batch, "prompt_text", tokenizer)
+    out = batch.clone(recurse=False)
+    total = torch.zeros(batch.batch_size[0])
+    for key, fn in fns.items():
+        values = _run_one(fn, batch, prompts, completions)
+        out.set(f"reward/{key}", values.to(batch.device) if batch.device is not None else values)
+        total += w[key] * values
+    out.set("rewards", total.to(batch.device) if batch.device is not None else total)
+    return out

@@ -1,0 +1,275 @@
+"""``update(state, batch, ...) -> (state', metrics)``: one policy (and critic) update.
+
+The loss of a mini-batch is::
+
+    L = policy_loss(logprobs, old_logprobs, advantages)          # registry: rlkit.algos.POLICY_LOSSES
+        + kl_coef * agg(kl_penalty(logprobs, ref_logprobs))       # rlkit.algos.KL_PENALTIES
+        - entropy_coef * agg(entropy)
+
+The batch is split into ``mini_batch_size`` rows per optimizer step (default: the whole batch,
+one step) and each mini-batch into ``micro_batch_size`` rows per forward/backward (gradient
+accumulation). Every aggregation uses the *mini-batch's* token and sequence counts as
+normalisers, so micro-batching never changes the gradient (tested). Under data parallelism the
+counts are summed over the data-parallel group, so N processes compute the same update as one.
+
+``update`` donates its input state: parameters and optimizer moments change in place and the old
+handle raises :class:`rlkit.state.DonatedStateError` if used again.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from typing import Any, Callable, Mapping
+
+import torch
+
+from rlkit.algos.kl import kl_penalty
+from rlkit.algos.losses import POLICY_LOSSES, aggregate, value_loss
+from rlkit.batch import Batch, BatchError, validate
+from rlkit.state import TrainState
+
+LossSpec = str | Callable | tuple
+
+
+class NonFiniteError(FloatingPointError):
+    """Too many consecutive updates had a non-finite loss or gradient."""
+
+
+def _resolve_loss(loss: LossSpec, loss_kw: Mapping[str, Any] | None):
+    kw = dict(loss_kw or {})
+    if isinstance(loss, tuple):
+        loss, extra = loss
+        kw = {**extra, **kw}
+    fn = POLICY_LOSSES.get(loss)
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = set(kw) - set(params)
+        if unknown:
+            raise TypeError(f"policy loss {getattr(fn, '__name__', loss)!r} has no option(s) {sorted(unknown)}; its options: {[n for n in params if n not in ('logprobs', 'old_logprobs', 'advantages', 'response_mask')]}")
+    return fn, kw, "generator" in params
+
+
+def _resolve_kl(kl) -> tuple[str | Callable | None, float]:
+    if kl is None:
+        return None, 0.0
+    if isinstance(kl, (int, float)):
+        return "low_var_kl", float(kl)
+    if isinstance(kl, tuple) and len(kl) == 2:
+        return kl[0], float(kl[1])
+    raise TypeError(f"kl must be None, a coefficient, or (mode, coef) such as ('low_var_kl', 1e-3); got {kl!r}")
+
+
+def _dp(state: TrainState):
+    return state._cache.get("dp")
+
+
+def _global_sum(x: torch.Tensor, state: TrainState) -> torch.Tensor:
+    dp = _dp(state)
+    if dp is None:
+        return x
+    x = x.clone()
+    torch.distributed.all_reduce(x, group=dp.group)
+    return x
+
+
+def _check_sizes(b: int, mini: int | None, micro: int | None) -> tuple[int, int]:
+    mini = mini or b
+    micro = micro or mini
+    if mini <= 0 or micro <= 0:
+        raise ValueError(f"mini_batch_size and micro_batch_size must be positive, got {mini} and {micro}")
+    if b % mini:
+        raise ValueError(f"mini_batch_size={mini} does not divide the batch of {b} rows; pick a divisor of {b} (or None for one step per batch)")
+    if mini % micro:
+        raise ValueError(f"micro_batch_size={micro} does not divide mini_batch_size={mini}; pick a divisor of {mini}")
+    return mini, micro
+
+
+def update(
+    state: TrainState,
+    batch: Batch,
+    *,
+    loss: LossSpec = "ppo_clip",
+    loss_kw: Mapping[str, Any] | None = None,
+    agg: str = "token-mean",
+    kl: tuple | float | None = None,
+    entropy_coef: float = 0.0,
+    temperature: float = 1.0,
+    mini_batch_size: int | None = None,
+    micro_batch_size: int | None = None,
+    epochs: int = 1,
+    shuffle: bool = False,
+    max_grad_norm: float | None = 1.0,
+    value_clip: float = 0.5,
+    critic_coef: float = 1.0,
+    max_nonfinite_steps: int = 3,
+) -> tuple[TrainState, dict[str, float]]:
+    """One update of the actor (and the critic if the state has one and the batch has ``returns``).
+
+    Args:
+        loss: policy loss name (``rlkit.algos.POLICY_LOSSES``), callable, or ``(name, kwargs)``.
+        loss_kw: hyperparameters of the loss (``clip_ratio_high=0.28`` for DAPO, ...).
+        agg: loss aggregation mode ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+            "seq-mean-token-sum-norm").
+        kl: ``(mode, coef)`` KL-to-reference penalty in the loss, e.g. ``("low_var_kl", 1e-3)``;
+            uses ``batch["ref_logprobs"]`` or computes it with ``state.ref``.
+        entropy_coef: entropy bonus coefficient.
+        temperature: the rollout temperature (logits are divided by it, as verl does).
+        mini_batch_size / micro_batch_size / epochs / shuffle: PPO-style multi-step updates.
+        max_grad_norm: gradient clipping (None: off).
+
+    Returns ``(new_state, metrics)`` with loss parts, clip fraction, approx KL, entropy, grad
+    norm, learning rate and the train-vs-rollout log-prob gap (``actor/logprob_gap``).
+    """
+    from rlkit.models.logprobs import response_logprobs, values_for_response
+
+    if not isinstance(state, TrainState):
+        raise TypeError(f"update expects a TrainState first (from rk.init), got {type(state).__name__}")
+    state._check()
+    validate(batch, require=("prompt_ids", "prompt_mask", "response_ids", "response_mask", "advantages"))
+    keys = set(batch.keys())
+    old_key = "old_logprobs" if "old_logprobs" in keys else "logprobs"
+    if old_key not in keys:
+        raise BatchError("batch has neither 'old_logprobs' nor 'logprobs'; batches from rk.rollout carry logprobs, or call rk.transforms.compute_old_logprobs(state, batch)")
+    if epochs < 1:
+        raise ValueError(f"epochs must be >= 1, got {epochs}")
+    loss_fn, loss_kw, wants_generator = _resolve_loss(loss, loss_kw)
+    kl_mode, kl_coef = _resolve_kl(kl)
+    if kl_coef and "ref_logprobs" not in keys:
+        from rlkit.transforms.forward import compute_ref_logprobs
+
+        batch = compute_ref_logprobs(state, batch, temperature=temperature, micro_batch_size=micro_batch_size)
+    train_critic = state.critic is not None and "returns" in keys
+    if train_critic and "values" not in keys:
+        from rlkit.transforms.forward import compute_values
+
+        batch = compute_values(state, batch, micro_batch_size=micro_batch_size)
+
+    b = batch.batch_size[0]
+    mini, micro = _check_sizes(b, mini_batch_size, micro_batch_size)
+    actor, optimizer = state.actor, state.optimizer
+    device = next(actor.parameters()).device
+    actor.train()
+    dp = _dp(state)
+    grad_scale = float(dp.size) if dp is not None and dp.mean_reduce else 1.0
+
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+
+    def record(name: str, value: torch.Tensor | float, weight: float = 1.0):
+        v = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+        sums[name] = sums.get(name, 0.0) + v * weight
+        weights[name] = weights.get(name, 0.0) + weight
+
+    skipped = 0
+    streak = int(state.extras.get("nonfinite_streak", 0))
+    gap_abs = gap_max = None
+    steps_done = 0
+    for epoch in range(epochs):
+        order = torch.arange(b)
+        if shuffle:
+            order = torch.randperm(b, generator=state.rng("shuffle", epoch, device="cpu"))
+        for m0 in range(0, b, mini):
+            mb_rows = order[m0 : m0 + mini]
+            mini_batch = batch[mb_rows]
+            mask_all = mini_batch["response_mask"]
+            num_tokens = _global_sum(mask_all.sum().to(device, torch.float32), state)
+            num_seqs = _global_sum(torch.tensor(float(mask_all.shape[0]), device=device), state)
+            optimizer.zero_grad(set_to_none=True)
+            if train_critic:
+                state.critic_optimizer.zero_grad(set_to_none=True)
+            for u0 in range(0, mini, micro):
+                mb = mini_batch[u0 : u0 + micro].to(device)
+                mask = mb["response_mask"]
+                frac = float(mask.sum()) / max(1.0, float(num_tokens))
+                norm = dict(num_tokens=num_tokens, num_seqs=num_seqs)
+                logprobs, entropy = response_logprobs(
+                    actor, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask,
+                    temperature=temperature, with_entropy=True,
+                )
+                extra = {"generator": state.rng("loss", epoch, m0, u0, device=device)} if wants_generator else {}
+                pg_loss, pg_metrics = loss_fn(logprobs, mb[old_key], mb["advantages"], mask, agg=agg, **norm, **loss_kw, **extra)
+                total = pg_loss
+                record("actor/pg_loss", pg_loss, 1.0)
+                for k, v in pg_metrics.items():
+                    record(f"actor/{k}", v, frac)
+                ent = aggregate(entropy, mask, agg, **norm)
+                record("actor/entropy", ent, 1.0)
+                if entropy_coef:
+                    total = total - entropy_coef * ent
+                if kl_coef:
+                    kl_mat = kl_penalty(logprobs, mb["ref_logprobs"], kl_mode)
+                    kl_loss = aggregate(kl_mat, mask, agg, **norm)
+                    total = total + kl_coef * kl_loss
+                    record("actor/kl_loss", kl_loss, 1.0)
+                if "logprobs" in keys and epoch == 0 and m0 == 0:
+                    # the silent bug of every peer: train-vs-rollout numerics; measured before any step
+                    diff = (logprobs.detach() - mb["logprobs"]).abs()[mask]
+                    gap_abs = (gap_abs or 0.0) + float(diff.sum())
+                    gap_max = max(gap_max or 0.0, float(diff.max()) if diff.numel() else 0.0)
+                (total * grad_scale).backward()
+                if train_critic:
+                    values = values_for_response(state.critic, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask)
+                    vf_loss, vf_metrics = value_loss(values, mb["values"], mb["returns"], mask, cliprange_value=value_clip, agg=agg, **norm)
+                    (critic_coef * vf_loss * grad_scale).backward()
+                    record("critic/vf_loss", vf_loss, 1.0)
+                    for k, v in vf_metrics.items():
+                        record(f"critic/{k}", v, frac)
+            grad_norm = _clip(actor, max_grad_norm)
+            record("actor/grad_norm", grad_norm)
+            finite = math.isfinite(grad_norm) and math.isfinite(sums.get("actor/pg_loss", 0.0))
+            if finite:
+                optimizer.step()
+                state.scheduler.step()
+                streak = 0
+                steps_done += 1
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                streak += 1
+                warnings.warn(f"rlkit.update: non-finite loss or gradient at step {state.step} (mini-batch {m0 // mini}); optimizer step skipped ({streak} in a row)", RuntimeWarning, stacklevel=2)
+                if streak >= max_nonfinite_steps:
+                    raise NonFiniteError(
+                        f"{streak} consecutive updates had a non-finite loss or gradient (last at step {state.step}); "
+                        "lower the learning rate, check rewards/advantages for extreme values, or enable gradient clipping"
+                    )
+            if train_critic:
+                c_norm = _clip(state.critic, max_grad_norm)
+                record("critic/grad_norm", c_norm)
+                if math.isfinite(c_norm):
+                    state.critic_optimizer.step()
+                    state.critic_scheduler.step()
+                else:
+                    state.critic_optimizer.zero_grad(set_to_none=True)
+
+    n_steps = epochs * (b // mini)
+    # loss parts are already normalised per mini-batch (summed over its micro-batches) and ratio
+    # metrics are token-weighted fractions of each mini-batch: both average over optimizer steps
+    metrics = {k: sums[k] / (weights[k] if k.endswith("grad_norm") else n_steps) for k in sums}
+    if gap_abs is not None:
+        n_tok = float(batch[: mini]["response_mask"].sum())
+        metrics["actor/logprob_gap"] = gap_abs / max(n_tok, 1.0)
+        metrics["actor/logprob_gap_max"] = gap_max
+    metrics["actor/lr"] = state.lr
+    metrics["actor/skipped_steps"] = float(skipped)
+    metrics["step"] = float(state.step + 1)
+    new_state = state.replace(
+        step=state.step + 1,
+        policy_version=state.policy_version + (1 if steps_done else 0),
+        extras={**state.extras, "nonfinite_streak": streak},
+    )
+    state.donate("rlkit.update")
+    return new_state, metrics
+
+
+def _clip(model: torch.nn.Module, max_norm: float | None) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    if max_norm is None:
+        norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
