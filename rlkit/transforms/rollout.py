@@ -123,14 +123,31 @@ def rollout(
     t0 = time.perf_counter()
     out = eng.generate(prompts.ids, params, generator=gen)
     seconds = time.perf_counter() - t0
+    batch = batch_from_generation(prompts, out, tokenizer, policy_version=state.policy_version, decode=decode)
+    tokens = float(batch["response_mask"].sum())
+    metrics = {
+        "rollout/seconds": seconds,
+        "rollout/tokens": tokens,
+        "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
+        "rollout/truncated_frac": float(batch["truncated"].float().mean()),
+        "rollout/response_len": tokens / batch.batch_size[0],
+        **sync,
+        **{f"rollout/{k}": float(v) for k, v in out.metrics.items()},
+    }
+    batch.set_non_tensor("rollout_metrics", metrics)
+    return batch
+
+
+def batch_from_generation(prompts: Prompts, out, tokenizer, *, policy_version: int = 0, decode: bool = True) -> Batch:
+    """Turn an engine's :class:`Generation` for ``prompts`` into a Batch (prompt-major rows)."""
+    from rlkit.batch import _pad_left
+
     index = out.prompt_index.cpu()
     b = len(index)
     pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     pad = 0 if pad is None else pad
-    prompt_rows = [prompts.ids[i] for i in index.tolist()]
-    from rlkit.batch import _pad_left
-
-    p_ids, p_mask = _pad_left(prompt_rows, pad)
+    rows = index.tolist()
+    p_ids, p_mask = _pad_left([prompts.ids[i] for i in rows], pad)
     batch = Batch(
         {
             "prompt_ids": p_ids,
@@ -140,27 +157,16 @@ def rollout(
             "logprobs": out.logprobs.cpu().float(),
             "truncated": out.truncated.cpu().bool(),
             "group": index.clone(),
-            "policy_version": torch.full((b,), state.policy_version, dtype=torch.long),
+            "policy_version": torch.full((b,), policy_version, dtype=torch.long),
         },
         batch_size=[b],
     )
-    set_column(batch, "prompt_text", [prompts.text[i] for i in index.tolist()])
+    set_column(batch, "prompt_text", [prompts.text[i] for i in rows])
     for name, values in prompts.columns.items():
-        set_column(batch, name, [values[i] for i in index.tolist()])
+        set_column(batch, name, [values[i] for i in rows])
     if decode and tokenizer is not None:
         texts = tokenizer.batch_decode([r[m].tolist() for r, m in zip(batch["response_ids"], batch["response_mask"])], skip_special_tokens=True)
         set_column(batch, "response_text", texts)
-    tokens = float(batch["response_mask"].sum())
-    metrics = {
-        "rollout/seconds": seconds,
-        "rollout/tokens": tokens,
-        "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
-        "rollout/truncated_frac": float(batch["truncated"].float().mean()),
-        "rollout/response_len": tokens / b,
-        **sync,
-        **{f"rollout/{k}": float(v) for k, v in out.metrics.items()},
-    }
-    batch.set_non_tensor("rollout_metrics", metrics)
     return batch
 
 

@@ -1,0 +1,49 @@
+"""Held-out evaluation: greedy (or sampled) generation on a prompt set, scored by a reward."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from rlkit.data import PromptSet
+from rlkit.engines.base import SamplingParams
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    tokenizer,
+    prompts: PromptSet,
+    reward: Callable,
+    *,
+    max_new_tokens: int = 16,
+    batch_size: int = 256,
+    temperature: float = 0.0,
+    seed: int = 0,
+    engine=None,
+) -> dict[str, float]:
+    """Mean reward (= accuracy for 0/1 rewards) of ``model`` on ``prompts``; greedy by default."""
+    from rlkit.engines.torch_engine import TorchEngine
+    from rlkit.transforms.score import score
+    from rlkit.transforms.rollout import batch_from_generation as from_generation
+
+    eng = engine or TorchEngine.from_model(model)
+    params = SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=temperature,
+                            stop_token_ids=(tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    total, count, lengths = 0.0, 0, 0.0
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(prompts), batch_size):
+            index = list(range(start, min(len(prompts), start + batch_size)))
+            chunk = prompts.take(index)
+            out = eng.generate(chunk.ids, params, generator=g)
+            batch = from_generation(chunk, out, tokenizer, policy_version=0)
+            scored = score(batch, reward)
+            total += float(scored["rewards"].sum())
+            count += len(index)
+            lengths += float(batch["response_mask"].sum())
+    finally:
+        model.train(was_training)
+    return {"accuracy": total / max(count, 1), "mean_response_len": lengths / max(count, 1), "n": float(count)}

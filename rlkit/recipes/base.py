@@ -1,0 +1,72 @@
+"""What every recipe shares: a frozen config with ``step(state, prompts, reward) -> (state, metrics)``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+
+from rlkit.batch import Batch
+
+
+def reward_metrics(batch: Batch) -> dict[str, float]:
+    """Mean reward, per-reward means, response length and the fraction of zero-variance groups."""
+    rewards = batch["rewards"]
+    out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0}
+    for k in batch.keys():
+        if isinstance(k, str) and k.startswith("reward/"):
+            out[f"{k}_mean"] = float(batch[k].float().mean())
+    group = batch["group"]
+    _, inverse, counts = torch.unique(group, return_inverse=True, return_counts=True)
+    if (counts > 1).any():
+        sums = torch.zeros(len(counts)).index_add_(0, inverse, rewards)
+        sq = torch.zeros(len(counts)).index_add_(0, inverse, rewards * rewards)
+        var = sq / counts - (sums / counts) ** 2
+        out["reward/zero_var_groups"] = float((var.abs() < 1e-12).float().mean())
+    out["response/len_mean"] = float(batch["response_mask"].sum(-1).float().mean())
+    if "truncated" in batch.keys():
+        out["response/truncated_frac"] = float(batch["truncated"].float().mean())
+    return out
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Shared sampling and update knobs. Subclasses define :meth:`step` in a few lines."""
+
+    n: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    loss: str | Callable = "ppo_clip"
+    loss_kw: dict[str, Any] = field(default_factory=dict)
+    agg: str = "token-mean"
+    kl: tuple | None = None
+    entropy_coef: float = 0.0
+    mini_batch_size: int | None = None
+    micro_batch_size: int | None = None
+    epochs: int = 1
+    max_grad_norm: float | None = 1.0
+    engine: str | None = None
+
+    def with_(self, **changes) -> "Recipe":
+        return replace(self, **changes)
+
+    def sample(self, state, prompts, **kw) -> Batch:
+        from rlkit.transforms.rollout import rollout
+
+        return rollout(state, prompts, n=self.n, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                       top_p=self.top_p, engine=self.engine, **kw)
+
+    def update_kwargs(self) -> dict[str, Any]:
+        return dict(loss=self.loss, loss_kw=self.loss_kw, agg=self.agg, kl=self.kl, entropy_coef=self.entropy_coef,
+                    temperature=self.temperature, mini_batch_size=self.mini_batch_size,
+                    micro_batch_size=self.micro_batch_size, epochs=self.epochs, max_grad_norm=self.max_grad_norm)
+
+    def needs_ref(self) -> bool:
+        return bool(self.kl and self.kl[1])
+
+    def needs_critic(self) -> bool:
+        return False
+
+    def step(self, state, prompts, reward):  # pragma: no cover - abstract
+        raise NotImplementedError

@@ -1,0 +1,72 @@
+"""DAPO (Yu et al. 2025): clip-higher, dynamic sampling, token-level loss, overlong shaping.
+
+- clip-higher: asymmetric ratio clip [1 - 0.2, 1 + 0.28];
+- dynamic sampling: groups whose rewards all agree (zero variance, zero GRPO advantage) are
+  dropped and more prompts are sampled until the batch is full (or attempts run out);
+- overlong reward shaping: a linear penalty in the last ``overlong_buffer`` tokens before
+  ``max_new_tokens``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlkit.recipes.base import Recipe, reward_metrics
+from rlkit.state import fold_in
+from rlkit.transforms.advantage import advantage
+from rlkit.transforms.rollout import concat, rollout_metrics
+from rlkit.transforms.score import score
+from rlkit.transforms.update import update
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 up to ``max_len - buffer``, then linearly to ``-factor``."""
+    expected = max_len - buffer
+    return (-(lengths.float() - expected) / max(buffer, 1) * factor).clamp(max=0.0)
+
+
+def keep_informative_groups(batch):
+    """Rows of groups whose rewards are not all equal (the rest carry no GRPO signal)."""
+    group, rewards = batch["group"], batch["rewards"]
+    _, inverse = torch.unique(group, return_inverse=True)
+    g = int(inverse.max()) + 1
+    lo = torch.full((g,), float("inf")).scatter_reduce(0, inverse, rewards, "amin")
+    hi = torch.full((g,), float("-inf")).scatter_reduce(0, inverse, rewards, "amax")
+    keep = (hi - lo > 1e-9)[inverse]
+    return batch[keep.nonzero().flatten()]
+
+
+@dataclass(frozen=True)
+class DAPO(Recipe):
+    loss_kw: dict[str, Any] = field(default_factory=lambda: {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28})
+    agg: str = "token-mean"
+    overlong_buffer: int = 4
+    overlong_factor: float = 1.0
+    max_attempts: int = 3
+
+    def step(self, state, prompts, reward):
+        kept, sampled, attempts = [], 0, 0
+        target = len(prompts) * self.n
+        while attempts < self.max_attempts and sum(b.batch_size[0] for b in kept) < target:
+            seed = fold_in(state.seed, state.step, "dapo", attempts)
+            batch = score(self.sample(state, prompts, seed=seed), reward)
+            if self.overlong_buffer:
+                pen = overlong_penalty(batch["response_mask"].sum(-1), self.max_new_tokens, self.overlong_buffer, self.overlong_factor)
+                batch.set("rewards", batch["rewards"] + pen)
+            first = first if attempts else batch
+            sampled += batch.batch_size[0]
+            informative = keep_informative_groups(batch)
+            if informative.batch_size[0]:
+                kept.append(informative)
+            attempts += 1
+        batch = concat(kept)[:target] if kept else first
+        # trim to whole groups so every group keeps all n samples
+        batch = batch[: (batch.batch_size[0] // self.n) * self.n] if batch.batch_size[0] >= self.n else batch
+        batch = advantage(batch, "grpo")
+        mini = self.mini_batch_size if self.mini_batch_size and batch.batch_size[0] % self.mini_batch_size == 0 else None
+        kwargs = {**self.update_kwargs(), "mini_batch_size": mini, "micro_batch_size": self.micro_batch_size if mini or not self.micro_batch_size or batch.batch_size[0] % self.micro_batch_size == 0 else None}
+        state, metrics = update(state, batch, **kwargs)
+        extra = {"dapo/kept_frac": batch.batch_size[0] / max(sampled, 1), "dapo/attempts": float(attempts)}
+        return state, {**rollout_metrics(first), **reward_metrics(first), **metrics, **extra}

@@ -1,0 +1,37 @@
+"""PPO with a learned critic and GAE (Schulman et al. 2017; Ouyang et al. 2022).
+
+    batch = score(rollout(state, prompts, n), reward)
+    batch = compute_values(state, batch)                 # critic values (b t)
+    batch = advantage(batch, "gae", gamma=1, lam=0.95)    # advantages + returns
+    state, metrics = update(state, batch)                # actor + clipped value loss
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlkit.recipes.base import Recipe, reward_metrics
+from rlkit.transforms.advantage import advantage
+from rlkit.transforms.forward import compute_values
+from rlkit.transforms.rollout import rollout_metrics
+from rlkit.transforms.score import score
+from rlkit.transforms.update import update
+
+
+@dataclass(frozen=True)
+class PPO(Recipe):
+    n: int = 4
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_clip: float = 0.5
+
+    def needs_critic(self) -> bool:
+        return True
+
+    def step(self, state, prompts, reward):
+        if state.critic is None:
+            raise ValueError("the PPO recipe needs a critic: rk.init(model, critic=rk.models.critic(model))")
+        batch = score(self.sample(state, prompts), reward)
+        batch = compute_values(state, batch, micro_batch_size=self.micro_batch_size)
+        batch = advantage(batch, "gae", gamma=self.gamma, lam=self.lam)
+        state, metrics = update(state, batch, value_clip=self.value_clip, **self.update_kwargs())
+        return state, {**rollout_metrics(batch), **reward_metrics(batch), **metrics}

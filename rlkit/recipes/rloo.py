@@ -1,0 +1,34 @@
+"""RLOO (Ahmadian et al. 2024) and REINFORCE++ (Hu 2025): critic-free baselines.
+
+RLOO's baseline for a sample is the mean reward of the *other* samples of its prompt;
+REINFORCE++ whitens discounted returns over the whole batch (``reinforce++_baseline``
+subtracts the group mean first).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlkit.recipes.base import Recipe, reward_metrics
+from rlkit.transforms.advantage import advantage
+from rlkit.transforms.rollout import rollout_metrics
+from rlkit.transforms.score import score
+from rlkit.transforms.update import update
+
+
+@dataclass(frozen=True)
+class CriticFree(Recipe):
+    estimator: str = "rloo"
+
+    def step(self, state, prompts, reward):
+        batch = score(self.sample(state, prompts), reward)
+        batch = advantage(batch, self.estimator)
+        state, metrics = update(state, batch, **self.update_kwargs())
+        return state, {**rollout_metrics(batch), **reward_metrics(batch), **metrics}
+
+
+def rloo(**kw) -> CriticFree:
+    return CriticFree(estimator="rloo", **kw)
+
+
+def reinforce_pp(**kw) -> CriticFree:
+    return CriticFree(estimator="reinforce++_baseline", **kw)

@@ -1,0 +1,24 @@
+"""A Task bundles what a built-in job needs: tokenizer, prompt sets, reward, warm-up examples."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from rlkit.data import PromptSet, Prompts
+
+
+@dataclass
+class Task:
+    name: str
+    tokenizer: Any
+    train: PromptSet
+    test: PromptSet
+    reward: Callable
+    #: (prompt text, target completion text) pairs for a supervised warm-up
+    sft_examples: list[tuple[str, str]] = field(default_factory=list)
+    max_new_tokens: int = 16
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def prompts(self, batch_size: int, steps: int, *, seed: int = 0, start: int = 0) -> Iterator[Prompts]:
+        """``steps`` training batches (deterministic order; ``start`` resumes mid-stream)."""
+        return self.train.batches(batch_size, steps, seed=seed, start=start)
