@@ -1,0 +1,222 @@
+"""Build, load and derive models: a seeded random tiny causal LM, a local checkpoint, a critic.
+
+Everything is a plain ``transformers`` model, so ``save_pretrained`` / ``from_pretrained``,
+FSDP2 wrapping and the engines all work on what these functions return. Nothing is downloaded.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+#: architecture presets: name -> config fields (head_dim = hidden_size / num_attention_heads)
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024),
+    # Qwen2.5-0.5B's shape (random weights): https://huggingface.co/Qwen/Qwen2.5-0.5B/blob/main/config.json
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+    ),
+}
+
+#: arch name -> transformers config class name
+ARCHS = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3Config"}
+
+#: weight files of which a model directory needs at least one
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def _vocab_fields(vocab: Any) -> dict[str, Any]:
+    """vocab_size and special-token ids from a tokenizer, or just vocab_size from an int."""
+    if isinstance(vocab, bool) or vocab is None:
+        raise TypeError(f"vocab must be a tokenizer or an int vocabulary size, got {vocab!r}")
+    if isinstance(vocab, int):
+        if vocab < 1:
+            raise ValueError(f"vocab size must be >= 1, got {vocab}")
+        return {"vocab_size": vocab}
+    if not hasattr(vocab, "convert_tokens_to_ids"):
+        raise TypeError(f"vocab must be a tokenizer or an int vocabulary size, got {type(vocab).__name__}")
+    fields = {"vocab_size": len(vocab)}
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(vocab, name, None)
+        if value is not None:
+            fields[name] = value
+    return fields
+
+
+def _config(arch: str, fields: dict[str, Any]) -> PretrainedConfig:
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHS)}")
+    fields = dict(fields)
+    rope_theta = fields.pop("rope_theta", None)
+    if rope_theta is not None and "rope_parameters" not in fields:
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": float(rope_theta)}
+    return getattr(transformers, ARCHS[arch])(**fields)
+
+
+def tiny(
+    vocab: Any,
+    size: str = "tiny",
+    arch: str = "qwen2",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> PreTrainedModel:
+    """A randomly initialised causal LM (seeded, deterministic, on CPU) of a preset shape.
+
+    ``vocab``: a tokenizer (vocab size and pad/bos/eos ids are taken from it) or an int vocab size
+    (``size="qwen2.5-0.5b"`` defaults to Qwen2.5's 151936). ``size``: one of :data:`PRESETS`.
+    ``arch``: ``"qwen2"`` (q/k/v biases), ``"llama"`` or ``"qwen3"`` (q/k RMS norms).
+    ``overrides``: any config field (``hidden_size=64``, ``rope_theta=1e6``,
+    ``tie_word_embeddings=False``, ...). Word embeddings are tied by default. The global RNG is
+    left untouched: the seed only drives this initialisation.
+    """
+    if size not in PRESETS:
+        raise ValueError(f"unknown size {size!r}; choose one of {sorted(PRESETS)} (or pass hidden_size=... overrides)")
+    from transformers import AutoModelForCausalLM
+
+    fields: dict[str, Any] = {"tie_word_embeddings": True, **PRESETS[size]}
+    fields.update(_vocab_fields(vocab))
+    fields.update(overrides)
+    fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
+    config = _config(arch, fields)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
+
+
+def _check_model_dir(path: str | os.PathLike, what: str) -> Path:
+    directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"{what}: {str(directory)!r} is not a directory; pass a local model directory "
+            "(one written by model.save_pretrained(path)); rlkit never downloads from the hub"
+        )
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{what}: {str(directory)!r} has no config.json (it holds {sorted(p.name for p in directory.iterdir())[:20]}); "
+            "save the model with model.save_pretrained(path)"
+        )
+    if not any((directory / f).is_file() for f in WEIGHT_FILES):
+        raise FileNotFoundError(
+            f"{what}: {str(directory)!r} has no weights (looked for {list(WEIGHT_FILES)}; it holds "
+            f"{sorted(p.name for p in directory.iterdir())[:20]}); save the model with model.save_pretrained(path)"
+        )
+    return directory
+
+
+def causal_lm_types() -> list[str]:
+    """model_type names that ``AutoModelForCausalLM`` can build."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def load_model(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str | None = None,
+) -> PreTrainedModel:
+    """Load a causal LM from a LOCAL directory (``local_files_only``), checking what is there first."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    directory = _check_model_dir(path, "load_model")
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    supported = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if config.model_type not in supported:
+        raise ValueError(
+            f"load_model: {str(directory)!r} holds a {config.model_type!r} model (architectures="
+            f"{getattr(config, 'architectures', None)}), which is not a causal LM; supported model_type values: "
+            f"{', '.join(sorted(supported))}"
+        )
+    architectures = getattr(config, "architectures", None) or []
+    causal_classes = set(supported.values())
+    if architectures and not any(a in causal_classes or a.endswith("ForCausalLM") for a in architectures):
+        raise ValueError(
+            f"load_model: {str(directory)!r} was saved as {architectures}, not a causal LM "
+            f"(for {config.model_type!r} that is {supported[config.model_type]}); a value model loads with "
+            "rlkit.models.critic(path)"
+        )
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, local_files_only=True)
+    if device is not None:
+        model = model.to(device)
+    return model
+
+
+def _critic_config(config: PretrainedConfig) -> PretrainedConfig:
+    config = copy.deepcopy(config)
+    config.num_labels = 1
+    # verl's critic: no dropout on the value head, so values are deterministic in train mode.
+    config.classifier_dropout = 0.0
+    config.architectures = None
+    return config
+
+
+def critic(
+    source: PreTrainedModel | PretrainedConfig | str | os.PathLike,
+    *,
+    init_from_actor: bool = True,
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
+) -> PreTrainedModel:
+    """A value model: the actor's backbone with a scalar head, ``AutoModelForTokenClassification(num_labels=1)``.
+
+    As in verl's critic, the head is ``score: Linear(hidden, 1)`` over the backbone's final hidden
+    states; the result is a normal transformers model, so ``save_pretrained`` and
+    ``critic(saved_dir)`` round-trip.
+
+    ``source``: an actor model (its backbone weights are copied when ``init_from_actor``),
+    a config (random init, seeded), or a local directory (a causal-LM checkpoint gives the
+    backbone and a fresh head; a saved critic loads whole).
+    """
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    if isinstance(source, (str, os.PathLike)):
+        directory = _check_model_dir(source, "critic")
+        config = _critic_config(AutoConfig.from_pretrained(str(directory), local_files_only=True))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return AutoModelForTokenClassification.from_pretrained(
+                str(directory), config=config, dtype=dtype or torch.float32, local_files_only=True
+            )
+    if isinstance(source, PreTrainedModel):
+        actor: PreTrainedModel | None = source
+        config = source.config
+    elif isinstance(source, PretrainedConfig):
+        actor, config = None, source
+    else:
+        raise TypeError(f"critic: source must be a model, a config or a local directory, got {type(source).__name__}")
+    config = _critic_config(config)
+    if dtype is None:
+        dtype = next(actor.parameters()).dtype if actor is not None else torch.float32
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        value_model = AutoModelForTokenClassification.from_config(config, dtype=dtype)
+    if actor is not None and init_from_actor:
+        backbone = value_model.base_model
+        missing, unexpected = backbone.load_state_dict(actor.base_model.state_dict(), strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"critic: the actor's backbone does not match the critic's (missing {missing[:5]}, unexpected "
+                f"{unexpected[:5]}); build the critic from the actor's own config"
+            )
+        device = next(actor.parameters()).device
+        value_model = value_model.to(device)
+    return value_model

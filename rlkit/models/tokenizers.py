@@ -1,0 +1,96 @@
+"""Tokenizers: a character-level one built locally, and loading any local Hugging Face tokenizer.
+
+Nothing here touches the network: :func:`char_tokenizer` builds its vocabulary in memory with the
+``tokenizers`` library, and :func:`load_tokenizer` reads a local directory only.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+#: special tokens of :func:`char_tokenizer`, in id order (pad = 0, bos = 1, eos = 2, unk = 3)
+CHAR_SPECIALS = (PAD, BOS, EOS, UNK)
+
+#: files of which a tokenizer directory needs at least one (fast tokenizer, or a config naming a slow one)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
+
+
+def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: every character of ``alphabet`` is one token.
+
+    Ids: ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3 (any character outside the alphabet),
+    then the alphabet's characters in order. ``encode`` adds no special tokens, so
+    ``decode(encode(s)) == s`` for every string over the alphabet (spaces and newlines included).
+
+    >>> tok = char_tokenizer("0123456789+=")
+    >>> tok.encode("12+3"), tok.decode(tok.encode("12+3"))
+    ([5, 6, 14, 7], '12+3')
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    if not isinstance(alphabet, str) or not alphabet:
+        raise ValueError(f"char_tokenizer: alphabet must be a non-empty string, got {alphabet!r}")
+    seen: set[str] = set()
+    duplicates = sorted({c for c in alphabet if c in seen or seen.add(c)})
+    if duplicates:
+        raise ValueError(f"char_tokenizer: alphabet repeats the characters {duplicates}; give each character once")
+    vocab = {tok: i for i, tok in enumerate(CHAR_SPECIALS)}
+    for c in alphabet:
+        vocab[c] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # [\s\S] matches every character, newlines included: one pre-token per character.
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    # Fuse joins tokens without the spaces WordLevel's default decoding would insert.
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        clean_up_tokenization_spaces=False,
+        padding_side="left",
+    )
+    return tokenizer
+
+
+def load_tokenizer(path: str | os.PathLike, *, pad_to_eos: bool = False) -> PreTrainedTokenizerBase:
+    """Load a Hugging Face tokenizer from a LOCAL directory (never the hub).
+
+    A tokenizer without a pad token is refused unless ``pad_to_eos=True``, which sets
+    ``pad_token = eos_token`` (the usual choice for decoder-only models; rlkit masks by
+    ``response_mask``, never by comparing ids with the pad id).
+    """
+    from transformers import AutoTokenizer
+
+    directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"load_tokenizer: {str(directory)!r} is not a directory; pass the path of a local tokenizer "
+            "directory (one written by tokenizer.save_pretrained(path)); rlkit never downloads from the hub"
+        )
+    present = [f for f in TOKENIZER_FILES if (directory / f).is_file()]
+    if not present:
+        raise FileNotFoundError(
+            f"load_tokenizer: {str(directory)!r} has none of the tokenizer files {list(TOKENIZER_FILES)} "
+            f"(it holds {sorted(p.name for p in directory.iterdir())[:20]}); save one with tokenizer.save_pretrained(path)"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    if tokenizer.pad_token is None:
+        if pad_to_eos and tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+        elif pad_to_eos:
+            raise ValueError(
+                f"load_tokenizer: the tokenizer in {str(directory)!r} has neither pad_token nor eos_token; "
+                "set tokenizer.pad_token to one of its special tokens before saving it"
+            )
+        else:
+            raise ValueError(
+                f"load_tokenizer: the tokenizer in {str(directory)!r} has no pad_token (pad_token=None); "
+                "pass pad_to_eos=True to use its eos_token "
+                f"({tokenizer.eos_token!r}) as pad_token, or set tokenizer.pad_token and save it again"
+            )
+    return tokenizer
