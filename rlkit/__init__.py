@@ -1,8 +1,67 @@
 """rlkit: reinforcement-learning post-training of language models.
 
-A functional core (``rollout``, ``score``, ``advantage``, ``update``) over explicit state and
-batch values, and a small scheduler that lowers the same pipeline onto torch.distributed meshes.
+A functional core — ``rollout``, ``score``, ``advantage``, ``update`` — over explicit
+:class:`TrainState` and :class:`Batch` values, and a small scheduler that lowers the same
+pipeline onto torch.distributed meshes.
+
+    import rlkit as rk
+    task  = rk.tasks.arithmetic(digits=2)
+    state = rk.init(rk.models.tiny(task.tokenizer), rk.optim.adamw(lr=3e-4), tokenizer=task.tokenizer)
+    for prompts in task.prompts(batch_size=32, steps=200):
+        batch = rk.rollout(state, prompts, n=8, max_new_tokens=8)
+        batch = rk.score(batch, task.reward)
+        batch = rk.advantage(batch, "grpo")
+        state, metrics = rk.update(state, batch, loss="ppo_clip")
 """
 __version__ = "0.1.0"
 
-from rlkit.batch import Batch, BatchError, make_batch, validate, packed, column, set_column  # noqa: E402,F401
+from rlkit import algos, optim  # noqa: E402
+from rlkit.batch import Batch, BatchError, column, make_batch, packed, set_column, validate  # noqa: E402
+from rlkit.data import Prompts, PromptSet, load_prompts  # noqa: E402
+from rlkit.state import DonatedStateError, TrainState, fold_in, init  # noqa: E402
+from rlkit.transforms.advantage import advantage  # noqa: E402
+from rlkit.transforms.forward import compute_old_logprobs, compute_ref_logprobs, compute_values  # noqa: E402
+from rlkit.transforms.rollout import concat, rollout, rollout_metrics  # noqa: E402
+from rlkit.transforms.score import RewardError, score  # noqa: E402
+from rlkit.transforms.update import update  # noqa: E402
+
+
+def __getattr__(name):
+    # heavier layers load on first use, so `import rlkit` stays light
+    import importlib
+
+    lazy = {
+        "models": "rlkit.models", "engines": "rlkit.engines", "tasks": "rlkit.tasks", "recipes": "rlkit.recipes",
+        "rewards": "rlkit.rewards", "observe": "rlkit.observe", "parallel": "rlkit.parallel",
+        "checkpoint": "rlkit.checkpoint", "sft": "rlkit.sft", "loop": "rlkit.loop", "jobs": "rlkit.jobs",
+    }
+    if name in lazy:
+        return importlib.import_module(lazy[name])
+    if name in ("fit",):
+        from rlkit.loop import fit
+
+        return fit
+    if name == "evaluate":
+        from rlkit.evaluate import evaluate
+
+        return evaluate
+    if name in ("launch",):
+        from rlkit.launch import launch
+
+        return launch
+    if name in ("Pipeline", "mesh"):
+        from rlkit import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'rlkit' has no attribute {name!r}")
+
+
+__all__ = [
+    "Batch", "BatchError", "make_batch", "validate", "packed", "column", "set_column",
+    "Prompts", "PromptSet", "load_prompts",
+    "TrainState", "DonatedStateError", "init", "fold_in",
+    "rollout", "score", "advantage", "update", "concat", "rollout_metrics", "RewardError",
+    "compute_old_logprobs", "compute_ref_logprobs", "compute_values",
+    "algos", "optim", "models", "engines", "tasks", "recipes", "rewards", "observe",
+    "fit", "evaluate", "launch", "Pipeline", "mesh",
+]

@@ -1,0 +1,166 @@
+"""Built-in jobs behind ``rlkit run <task>``: warm-up, RL with any recipe, held-out evaluation.
+
+``run_task("arithmetic", options)`` is also callable from Python; it returns a summary dict
+(the object ``--json`` prints).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+#: defaults of the embedded main job, tuned to finish in a few minutes on a 2-core CPU
+DEFAULTS = dict(
+    task="arithmetic",
+    algo="grpo",
+    steps=60,
+    sft_steps=150,
+    batch_size=16,
+    n=8,
+    lr=2e-4,
+    sft_lr=3e-3,
+    seed=0,
+    device="cpu",
+    size="tiny",
+    eval_every=10,
+    eval_size=200,
+    temperature=1.0,
+    kl=0.0,
+    out=None,
+    json=False,
+    quiet=False,
+    nproc_per_node=None,
+    resume=None,
+    checkpoint_every=0,
+    keep_checkpoints=3,
+)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    from rlkit.recipes import RECIPES
+    from rlkit.tasks import TASKS
+
+    d = DEFAULTS
+    p.add_argument("task", help=f"built-in task: {', '.join(sorted(TASKS))}")
+    p.add_argument("--algo", default=d["algo"], help=f"recipe: {', '.join(RECIPES)} (default {d['algo']})")
+    p.add_argument("--steps", type=int, default=d["steps"], help="RL steps")
+    p.add_argument("--sft-steps", type=int, default=d["sft_steps"], help="supervised warm-up steps before RL")
+    p.add_argument("--batch-size", type=int, default=d["batch_size"], help="prompts per RL step")
+    p.add_argument("--n", type=int, default=d["n"], help="samples per prompt")
+    p.add_argument("--lr", type=float, default=d["lr"], help="RL learning rate")
+    p.add_argument("--sft-lr", type=float, default=d["sft_lr"])
+    p.add_argument("--kl", type=float, default=d["kl"], help="low_var_kl coefficient to a frozen reference (0: no reference)")
+    p.add_argument("--temperature", type=float, default=d["temperature"])
+    p.add_argument("--seed", type=int, default=d["seed"])
+    p.add_argument("--device", default=d["device"], help="cpu, cuda, cuda:1, ... (default cpu)")
+    p.add_argument("--size", default=d["size"], help="model preset (tiny, small, ...)")
+    p.add_argument("--eval-every", type=int, default=d["eval_every"])
+    p.add_argument("--eval-size", type=int, default=d["eval_size"])
+    p.add_argument("--out", default=None, help="directory: saves the model (save_pretrained), metrics.jsonl and summary.json")
+    p.add_argument("--resume", default=None, help="'auto' or a checkpoint directory (needs --out)")
+    p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"], help="save a checkpoint every K steps into OUT/checkpoints")
+    p.add_argument("--keep-checkpoints", type=int, default=d["keep_checkpoints"])
+    p.add_argument("--nproc-per-node", type=int, default=None, help="run data-parallel over N local processes")
+    p.add_argument("--json", action="store_true", help="print one JSON summary object as the last stdout line")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _options(options: dict[str, Any] | None) -> argparse.Namespace:
+    merged = dict(DEFAULTS)
+    for k, v in (options or {}).items():
+        merged[k.replace("-", "_")] = v
+    unknown = set(merged) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown option(s) {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
+    return argparse.Namespace(**merged)
+
+
+def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Warm up a tiny model on ``task_name``, run RL, evaluate before/after; return the summary."""
+    from rich.console import Console
+
+    from rlkit import recipes, tasks
+    from rlkit.evaluate import evaluate
+    from rlkit.loop import fit
+    from rlkit.models import tiny
+    from rlkit.observe.console import ConsoleSink, summary_table
+    from rlkit.observe.sinks import JSONLSink
+    from rlkit.optim import adamw
+    from rlkit.sft import warmup
+    from rlkit.state import init
+
+    opts = _options({**(options or {}), "task": task_name})
+    t_start = time.perf_counter()
+    console = Console(stderr=True, quiet=opts.quiet)
+    recipe = recipes.get(opts.algo)
+    task = tasks.get(task_name)
+    device = torch.device(opts.device)
+    torch.manual_seed(opts.seed)
+    model = tiny(task.tokenizer, size=opts.size, seed=opts.seed).to(device)
+    tok = task.tokenizer
+    eval_set = task.test.take(range(min(opts.eval_size, len(task.test))))
+
+    def accuracy(m) -> float:
+        return evaluate(m, tok, eval_set, task.reward, max_new_tokens=task.max_new_tokens)["accuracy"]
+
+    sft_sink = ConsoleSink(opts.sft_steps, "warm-up", keys=("sft/loss",), console=console) if not opts.quiet and opts.sft_steps else None
+    warmup(model, tok, task.sft_examples, steps=opts.sft_steps, lr=opts.sft_lr, seed=opts.seed,
+           on_step=(lambda s, m: sft_sink.on_step(s + 1, m)) if sft_sink else None)
+    if sft_sink:
+        sft_sink.close()
+    acc_before = accuracy(model)
+    console.print(f"held-out accuracy after warm-up: [bold]{acc_before:.3f}[/bold]")
+
+    kl = ("low_var_kl", opts.kl) if opts.kl else None
+    recipe = recipe.with_(n=opts.n, max_new_tokens=task.max_new_tokens, temperature=opts.temperature, kl=kl)
+    critic = None
+    if recipe.needs_critic():
+        from rlkit.models import critic as make_critic
+
+        critic = make_critic(model)
+    state = init(model, adamw(lr=opts.lr, weight_decay=0.0), tokenizer=tok, ref="copy" if kl else None, critic=critic, seed=opts.seed)
+    sinks: list[Any] = []
+    if opts.out:
+        os.makedirs(opts.out, exist_ok=True)
+        sinks.append(JSONLSink(os.path.join(opts.out, "metrics.jsonl")))
+    bar = ConsoleSink(opts.steps, f"RL ({opts.algo})", console=console) if not opts.quiet else None
+    if bar:
+        sinks.append(bar)
+    try:
+        state, history = fit(
+            state, recipe, task.reward, task.train, steps=opts.steps, batch_size=opts.batch_size, sinks=sinks,
+            eval_fn=lambda s: {"accuracy": accuracy(s.actor)}, eval_every=opts.eval_every,
+        )
+    finally:
+        for s in sinks:
+            s.close()
+    acc_after = history[-1]["eval/accuracy"] if history and "eval/accuracy" in history[-1] else accuracy(state.actor)
+    wall = time.perf_counter() - t_start
+    summary = {
+        "task": task_name,
+        "algo": opts.algo,
+        "seed": opts.seed,
+        "steps": state.step,
+        "accuracy_before_rl": acc_before,
+        "accuracy_after_rl": acc_after,
+        "accuracy_gain": acc_after - acc_before,
+        "reward_first": history[0]["reward/mean"] if history else None,
+        "reward_last": history[-1]["reward/mean"] if history else None,
+        "wall_s": wall,
+        "device": str(device),
+    }
+    console.print(summary_table(
+        f"rlkit run {task_name} --algo {opts.algo} (seed {opts.seed})",
+        [("held-out accuracy after warm-up", f"{acc_before:.3f}"), ("held-out accuracy after RL", f"{acc_after:.3f}"),
+         ("gain (points)", f"{100 * (acc_after - acc_before):+.1f}"), ("RL steps", str(state.step)), ("wall time", f"{wall:.1f} s")],
+    ))
+    if opts.out:
+        state.actor.save_pretrained(os.path.join(opts.out, "model"))
+        tok.save_pretrained(os.path.join(opts.out, "model"))
+        with open(os.path.join(opts.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
