@@ -53,7 +53,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] 
     """
     total = masked_sum(x, mask, dim)
     count = mask.sum() if dim is None else mask.sum(dim=dim)
-    return total / (count + MEAN_EPS)
+    # the count takes the values' dtype, so the 1e-8 guard means the same for bool and float masks
+    return total / (count.to(total.dtype) + MEAN_EPS)
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
@@ -68,7 +69,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     mu = masked_mean(x, mask)
     var = masked_mean((x - mu) ** 2, mask)
     if unbiased:
-        n = mask.sum()
+        n = mask.sum().to(var.dtype)
         if n == 0:
             raise ValueError(
                 "masked_var: the mask selects no position (response_mask is all False); "
