@@ -163,8 +163,9 @@ def score(
         if len(weights) != len(fns):
             raise RewardError(f"weights has {len(weights)} values for {len(fns)} reward functions")
         w = dict(zip(fns, map(float, weights)))
-    completions = _texts(batch, "response_text", tokenizer)
-    prompts = _texts(batch, "prompt_text", tokenizer)
+    needs_text = any(reward_style(fn) != "batch" for fn in fns.values())
+    completions = _texts(batch, "response_text", tokenizer) if needs_text else []
+    prompts = _texts(batch, "prompt_text", tokenizer) if needs_text else []
     out = batch.clone(recurse=False)
     total = torch.zeros(batch.batch_size[0])
     for key, fn in fns.items():

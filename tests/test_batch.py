@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from rlkit.batch import BatchError, make_batch, packed, unpack_response, validate, group_size, column
+
+
+def test_make_batch_pads_prompts_left_and_responses_right():
+    b = make_batch([[5, 6], [7]], [[1, 2, 3], [4]], pad_token_id=0, group=[0, 0], rewards=[1.0, 0.0])
+    assert b["prompt_ids"].tolist() == [[5, 6], [0, 7]]
+    assert b["prompt_mask"].tolist() == [[True, True], [False, True]]
+    assert b["response_ids"].tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert b["response_mask"].tolist() == [[True, True, True], [True, False, False]]
+    assert b["rewards"].tolist() == [1.0, 0.0]
+
+
+def test_columns_follow_rows_through_indexing():
+    b = make_batch([[1], [2], [3]], [[4], [5], [6]], columns={"answer": ["a", "b", "c"]})
+    sub = b[torch.tensor([2, 0])]
+    assert column(sub, "answer") == ["c", "a"]
+    assert sub["prompt_ids"].flatten().tolist() == [3, 1]
+
+
+def test_packed_view_round_trips_responses():
+    b = make_batch([[5, 6], [7]], [[1, 2, 3], [4]], pad_token_id=0)
+    pk = packed(b)
+    assert pk.input_ids.tolist() == [5, 6, 1, 2, 3, 7, 4]
+    assert pk.position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1]
+    assert pk.cu_seqlens.tolist() == [0, 5, 7]
+    assert pk.input_ids[pk.response_index].tolist() == [1, 2, 3, 4]
+    back = unpack_response(pk.input_ids[pk.response_index], b)
+    assert torch.equal(back, b["response_ids"] * b["response_mask"])
+
+
+def test_validation_names_the_field():
+    b = make_batch([[1], [2]], [[3], [4]])
+    b.set("advantages", torch.zeros(2, 5))
+    with pytest.raises(BatchError, match="advantages"):
+        validate(b)
+    b = make_batch([[1], [2]], [[3], [4]])
+    b.set("rewards", torch.tensor([1.0, float("nan")]))
+    with pytest.raises(BatchError, match="rewards.*rows \\[1\\]"):
+        validate(b)
+    b = make_batch([[1], [2]], [[3], [4]])
+    b.set("response_mask", torch.zeros(2, 1, dtype=torch.bool))
+    with pytest.raises(BatchError, match="response_mask"):
+        validate(b)
+    with pytest.raises(BatchError, match="rewards"):
+        validate(make_batch([[1]], [[2]]), require=("rewards",))
+    with pytest.raises(BatchError, match="prompt_ids has 2 rows"):
+        make_batch([[1], [2]], [[3]])
+    with pytest.raises(BatchError, match="empty"):
+        make_batch([], [])
+
+
+def test_group_size_rejects_ragged_groups():
+    b = make_batch([[1]] * 3, [[2]] * 3, group=[0, 0, 1])
+    with pytest.raises(BatchError, match="group"):
+        group_size(b)

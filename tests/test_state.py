@@ -1,0 +1,36 @@
+import pytest
+import torch
+
+import rlkit as rk
+from rlkit.state import DonatedStateError
+
+
+def test_donated_state_refuses_use(tiny_model, char_tok):
+    state = rk.init(tiny_model, rk.optim.adamw(lr=1e-3), tokenizer=char_tok)
+    state2 = state.replace(step=5)
+    state.donate("rlkit.update")
+    with pytest.raises(DonatedStateError, match="donated to rlkit.update"):
+        state.actor
+    with pytest.raises(DonatedStateError):
+        state.replace(step=1)
+    assert state2.step == 5 and state2.actor is tiny_model
+
+
+def test_rng_is_keyed_by_seed_and_step(tiny_model, char_tok):
+    state = rk.init(tiny_model, rk.optim.adamw(lr=1e-3), tokenizer=char_tok, seed=3)
+    a = torch.rand(4, generator=state.rng("x"))
+    b = torch.rand(4, generator=state.rng("x"))
+    c = torch.rand(4, generator=state.replace(step=1).rng("x"))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    spec = rk.optim.adamw(lr=1.0, warmup_steps=2, total_steps=6, schedule="cosine", min_lr_ratio=0.0)
+    factors = [spec.lr_factor(s) for s in range(7)]
+    assert factors[:2] == [0.5, 1.0]
+    assert factors[2] == pytest.approx(1.0) and factors[6] == pytest.approx(0.0, abs=1e-12)
+    assert factors[4] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="total_steps"):
+        rk.optim.adamw(lr=1e-3, schedule="cosine")
+    with pytest.raises(ValueError, match="lr"):
+        rk.optim.adamw(lr=-1.0)

@@ -1,0 +1,59 @@
+import pytest
+import torch
+
+import rlkit as rk
+from rlkit.batch import make_batch
+from rlkit.rewards import RewardModel, exact_match, extract_hash_answer, format_reward, math_answer
+
+
+def _batch():
+    return make_batch(
+        [[1], [2], [3]], [[4], [5], [6]],
+        columns={"prompt_text": ["1+1=", "2+2=", "3+3="], "response_text": ["2", "5", "#### 6"], "answer": ["2", "4", "6"]},
+    )
+
+
+def test_trl_and_verl_style_rewards_weighted():
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": float(ground_truth in solution_str)}
+
+    out = rk.score(_batch(), {"exact": exact_match, "verl": compute_score}, weights={"exact": 1.0, "verl": 0.5})
+    assert out["reward/exact"].tolist() == [1.0, 0.0, 0.0]
+    assert out["reward/verl"].tolist() == [1.0, 0.0, 1.0]
+    assert out["rewards"].tolist() == [1.5, 0.0, 0.5]
+
+
+def test_reward_errors_name_the_sample():
+    def raises(completions, **_):
+        return [1.0 if c != "5" else 1 / 0 for c in completions]
+
+    with pytest.raises(rk.RewardError, match="raises.*ZeroDivisionError.*sample 1.*'2\\+2='"):
+        rk.score(_batch(), raises)
+    with pytest.raises(rk.RewardError, match="returned nan for sample 2"):
+        rk.score(_batch(), lambda completions, **_: [0.0, 1.0, float("nan")])
+    with pytest.raises(rk.RewardError, match="returned 2 values for a batch of 3"):
+        rk.score(_batch(), lambda completions, **_: [0.0, 1.0])
+
+
+def test_ready_made_rewards():
+    assert extract_hash_answer("so it is 12\n#### 1,234") == "1234"
+    assert extract_hash_answer("no answer") is None
+    assert math_answer(["work #### 72", "#### 71", "72"], ["blah #### 72", "72", "72"]) == [1.0, 0.0, 0.0]
+    fmt = format_reward(r"\d+")
+    assert fmt(["12", "1a", " 7 "]) == [1.0, 0.0, 1.0]
+    assert exact_match([" 1,000", "9"], ["1000", "8"]) == [1.0, 0.0]
+
+
+def test_reward_model_role_scores_the_sequences(char_tok):
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(char_tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, intermediate_size=64, num_labels=1, pad_token_id=char_tok.pad_token_id)
+    rm = Qwen2ForSequenceClassification(cfg).eval()
+    batch = make_batch([[5, 6], [7]], [[8, 9, 10], [11]], pad_token_id=char_tok.pad_token_id)
+    got = rk.score(batch, RewardModel(rm))["rewards"]
+    # reference: each row alone, unpadded
+    with torch.no_grad():
+        ref = [rm(input_ids=torch.tensor([[5, 6, 8, 9, 10]])).logits[0, 0], rm(input_ids=torch.tensor([[7, 11]])).logits[0, 0]]
+    torch.testing.assert_close(got, torch.stack(ref), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,111 @@
+import copy
+
+import pytest
+import torch
+
+import rlkit as rk
+from rlkit.batch import make_batch
+from rlkit.transforms.forward import model_logprobs
+
+
+def _batch(model, seed=0, b=8, vocab=18):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist() for _ in range(b)]
+    responses = [torch.randint(3, vocab, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist() for _ in range(b)]
+    batch = make_batch(prompts, responses, group=[i // 4 for i in range(b)], rewards=torch.rand(b, generator=g).tolist())
+    lp, _ = model_logprobs(model, batch)
+    batch.set("logprobs", lp + 0.05 * torch.randn(lp.shape, generator=g) * batch["response_mask"])
+    batch.set("advantages", torch.randn(batch["response_mask"].shape, generator=g) * batch["response_mask"])
+    return batch
+
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("loss", ["ppo_clip", "gspo"])
+def test_micro_batches_with_accumulation_equal_one_batch(tiny_model, char_tok, agg, loss):
+    batch = _batch(tiny_model)
+    results = []
+    for micro in (None, 2):
+        model = copy.deepcopy(tiny_model)
+        # eps=1 makes Adam's first step ~ lr * g (not lr * sign(g)), so the comparison measures
+        # the gradients themselves rather than the sign of float noise on near-zero entries
+        state = rk.init(model, rk.optim.adamw(lr=1e-2, eps=1.0, weight_decay=0.0), tokenizer=char_tok)
+        state, metrics = rk.update(state, batch, loss=loss, agg=agg, micro_batch_size=micro, entropy_coef=0.01)
+        results.append((_params(state.actor), metrics))
+    (p_full, m_full), (p_micro, m_micro) = results
+    for k in p_full:
+        torch.testing.assert_close(p_micro[k], p_full[k], atol=1e-7, rtol=1e-6)
+    assert m_micro["actor/pg_loss"] == pytest.approx(m_full["actor/pg_loss"], abs=1e-6)
+    assert m_micro["actor/grad_norm"] == pytest.approx(m_full["actor/grad_norm"], rel=1e-5)
+
+
+def test_update_changes_parameters_donates_and_reports(tiny_model, char_tok):
+    batch = _batch(tiny_model)
+    before = _params(tiny_model)
+    state = rk.init(tiny_model, rk.optim.adamw(lr=1e-2), tokenizer=char_tok)
+    new_state, metrics = rk.update(state, batch)
+    assert new_state.step == 1 and new_state.policy_version == 1
+    assert any(not torch.equal(before[k], v) for k, v in _params(new_state.actor).items())
+    with pytest.raises(rk.DonatedStateError):
+        rk.update(state, batch)
+    for key in ("actor/pg_loss", "actor/clipfrac", "actor/approx_kl", "actor/entropy", "actor/grad_norm", "actor/lr", "actor/logprob_gap"):
+        assert key in metrics, key
+    # the batch's behaviour log-probs were perturbed by N(0, 0.05): the gap metric must see it
+    assert 0.01 < metrics["actor/logprob_gap"] < 0.1
+
+
+def test_kl_to_reference_is_zero_for_an_identical_reference(tiny_model, char_tok):
+    batch = _batch(tiny_model)
+    state = rk.init(tiny_model, rk.optim.adamw(lr=1e-3), tokenizer=char_tok, ref="copy")
+    _, metrics = rk.update(state, batch, kl=("low_var_kl", 0.1))
+    assert abs(metrics["actor/kl_loss"]) < 1e-6
+
+
+def test_bad_sizes_and_missing_fields_name_the_problem(tiny_model, char_tok):
+    batch = _batch(tiny_model)
+    state = rk.init(tiny_model, rk.optim.adamw(lr=1e-3), tokenizer=char_tok)
+    with pytest.raises(ValueError, match="micro_batch_size=3 does not divide"):
+        rk.update(state, batch, micro_batch_size=3)
+    with pytest.raises(ValueError, match="mini_batch_size=5 does not divide"):
+        rk.update(state, batch, mini_batch_size=5)
+    with pytest.raises(TypeError, match="no option"):
+        rk.update(state, batch, loss_kw={"clip_ration": 0.2})
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo_clipp'"):
+        rk.update(state, batch, loss="ppo_clipp")
+    del batch["advantages"]
+    with pytest.raises(rk.BatchError, match="advantages.*rlkit.advantage"):
+        rk.update(state, batch)
+
+
+def test_user_loss_function_is_accepted(tiny_model, char_tok):
+    batch = _batch(tiny_model)
+    calls = []
+
+    def reinforce(logprobs, old_logprobs, advantages, response_mask, *, agg="token-mean", num_tokens=None, num_seqs=None):
+        calls.append(1)
+        loss = -(logprobs * advantages * response_mask).sum() / num_tokens
+        return loss, {}
+
+    state = rk.init(tiny_model, rk.optim.adamw(lr=1e-3), tokenizer=char_tok)
+    _, metrics = rk.update(state, batch, loss=reinforce, micro_batch_size=4)
+    assert len(calls) == 2 and "actor/pg_loss" in metrics
+
+
+def test_nonfinite_gradient_skips_the_step(tiny_model, char_tok):
+    batch = _batch(tiny_model)
+    batch.set("advantages", batch["advantages"] * float("nan"))
+    before = _params(tiny_model)
+    state = rk.init(tiny_model, rk.optim.adamw(lr=1e-2), tokenizer=char_tok)
+    with pytest.warns(RuntimeWarning, match="non-finite.*step 0"):
+        state, metrics = rk.update(state, batch, max_nonfinite_steps=2)
+    assert metrics["actor/skipped_steps"] == 1.0
+    for k, v in _params(state.actor).items():
+        assert torch.equal(before[k], v)
+    from rlkit.transforms.update import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match="consecutive"):
+        with pytest.warns(RuntimeWarning):
+            rk.update(state, batch, max_nonfinite_steps=2)
