@@ -1,0 +1,170 @@
+"""A rollout engine over transformers' ``generate``: any causal LM, same :class:`Generation` out.
+
+Slower than :class:`~rlkit.engines.torch_engine.TorchEngine` but covers every architecture
+transformers does. Behaviour log-probs come from ``output_scores`` (the scores after the logits
+processors, i.e. after temperature / top-k / top-p), normalised with
+``compute_transition_scores(..., normalize_logits=True)``; greedy decoding applies no warper, so
+it reports the plain log-softmax.
+
+Sampling in ``generate`` draws from the global RNG; a ``torch.Generator`` passed to
+:meth:`HFEngine.generate` seeds a forked RNG, so the same generator state gives the same samples
+(but not the same samples as TorchEngine, which samples differently).
+"""
+from __future__ import annotations
+
+import time
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from rlkit.engines.base import Generation, SamplingParams
+
+
+def _pad_id(tokenizer_or_pad_id) -> int:
+    if isinstance(tokenizer_or_pad_id, bool):
+        raise TypeError("HFEngine: pass a tokenizer or an int pad id, got a bool")
+    if isinstance(tokenizer_or_pad_id, int):
+        return tokenizer_or_pad_id
+    pad = getattr(tokenizer_or_pad_id, "pad_token_id", None)
+    if pad is None:
+        raise ValueError(
+            "HFEngine: the tokenizer has no pad_token_id; set tokenizer.pad_token (e.g. to its eos_token) "
+            "or pass the pad id as an int"
+        )
+    return int(pad)
+
+
+def response_mask_from_stops(tokens: torch.Tensor, stop_token_ids: Sequence[int]) -> torch.Tensor:
+    """(b t) True up to and including the first stop token of each row (all True without stops)."""
+    if not stop_token_ids:
+        return torch.ones_like(tokens, dtype=torch.bool)
+    is_stop = torch.isin(tokens, torch.tensor(list(stop_token_ids), device=tokens.device))
+    stops_before = is_stop.long().cumsum(-1) - is_stop.long()
+    return stops_before == 0
+
+
+class HFEngine:
+    """Engine protocol over ``model.generate``. ``tokenizer_or_pad_id``: a tokenizer or the pad id."""
+
+    def __init__(self, model: nn.Module, tokenizer_or_pad_id):
+        if not hasattr(model, "generate"):
+            raise TypeError(f"HFEngine needs a transformers model with .generate, got {type(model).__name__}")
+        self.model = model
+        self.pad_token_id = _pad_id(tokenizer_or_pad_id)
+        self.policy_version = 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def load_weights(
+        self, weights: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]], *, version: int
+    ) -> dict[str, float]:
+        """Copy weights (HF names) into the model's parameters; shared tensors are skipped."""
+        start = time.perf_counter()
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        copied = 0
+        for name, tensor in weights.items() if isinstance(weights, Mapping) else weights:
+            if type(tensor).__name__ == "DTensor":
+                tensor = tensor.full_tensor()
+            dst = params.get(name)
+            if dst is None:
+                raise KeyError(f"load_weights: the model has no parameter {name!r} (it has e.g. {sorted(params)[:3]})")
+            if dst.shape != tensor.shape:
+                raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(dst.shape)}")
+            if dst.data_ptr() == tensor.data_ptr() and dst.device == tensor.device:
+                continue
+            dst.copy_(tensor)
+            copied += dst.numel() * dst.element_size()
+        self.policy_version = int(version)
+        return {"bytes": float(copied), "seconds": time.perf_counter() - start}
+
+    def _generation_config(self, params: SamplingParams):
+        from transformers import GenerationConfig
+
+        sample = params.temperature > 0
+        fields = dict(
+            max_new_tokens=params.max_new_tokens,
+            min_new_tokens=0,
+            do_sample=sample,
+            num_beams=1,
+            pad_token_id=self.pad_token_id,
+            eos_token_id=None if params.ignore_stop or not params.stop_token_ids else list(params.stop_token_ids),
+            output_scores=True,
+            return_dict_in_generate=True,
+            repetition_penalty=1.0,
+        )
+        if sample:
+            # explicit (0 disables top-k), so transformers' default top_k=50 does not apply
+            fields.update(temperature=params.temperature, top_k=max(params.top_k, 0), top_p=params.top_p)
+        return GenerationConfig(**fields)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> Generation:
+        from transformers import GenerationConfig
+
+        start = time.perf_counter()
+        if len(prompt_ids) == 0:
+            raise ValueError("generate: prompt_ids is empty; pass at least one prompt")
+        width = max(len(p) for p in prompt_ids)
+        ids = torch.full((len(prompt_ids), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+        for i, prompt in enumerate(prompt_ids):
+            if not len(prompt):
+                raise ValueError(f"generate: prompt {i} is empty; every prompt needs at least one token")
+            ids[i, width - len(prompt) :] = torch.as_tensor(list(prompt))
+            mask[i, width - len(prompt) :] = 1
+        device = self.device
+        # rows prompt-major (i * n + j), expanded here so greedy n > 1 works too
+        ids = ids.repeat_interleave(params.n, dim=0).to(device)
+        mask = mask.repeat_interleave(params.n, dim=0).to(device)
+
+        # A fresh default generation_config: the model's own (e.g. a checkpoint's top_k=20,
+        # repetition_penalty=1.1, eos ids) must not leak into the sampling distribution.
+        saved = self.model.generation_config
+        self.model.generation_config = GenerationConfig(pad_token_id=self.pad_token_id)
+        devices = [device] if device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                if generator is not None:
+                    torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)))
+                out = self.model.generate(
+                    input_ids=ids, attention_mask=mask, generation_config=self._generation_config(params)
+                )
+        finally:
+            self.model.generation_config = saved
+
+        tokens = out.sequences[:, width:]
+        logprobs = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True).float()
+        stops = () if params.ignore_stop else params.stop_token_ids
+        response_mask = response_mask_from_stops(tokens, stops)
+        t = max(int(response_mask.sum(-1).max()), 1)
+        tokens, response_mask, logprobs = tokens[:, :t], response_mask[:, :t], logprobs[:, :t]
+        tokens = torch.where(response_mask, tokens, torch.full_like(tokens, self.pad_token_id))
+        logprobs = torch.where(response_mask, logprobs, torch.zeros_like(logprobs))
+        if stops:
+            stopped = (torch.isin(tokens, torch.tensor(list(stops), device=tokens.device)) & response_mask).any(-1)
+        else:
+            stopped = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        seconds = time.perf_counter() - start
+        generated = int(response_mask.sum())
+        return Generation(
+            response_ids=tokens,
+            response_mask=response_mask,
+            logprobs=logprobs,
+            truncated=~stopped,
+            prompt_index=torch.arange(len(prompt_ids), device=device).repeat_interleave(params.n),
+            metrics={
+                "rollout/seconds": seconds,
+                "rollout/tokens": float(generated),
+                "rollout/tokens_per_second": generated / max(seconds, 1e-9),
+            },
+        )
