@@ -1,0 +1,24 @@
+"""Weights & Biases sink; ``wandb`` is imported only when this sink is built.
+
+Without a ``WANDB_API_KEY`` (or ``wandb login``) it runs offline and writes a local run you can
+``wandb sync`` later.
+"""
+from __future__ import annotations
+
+import os
+
+
+class WandbSink:
+    def __init__(self, project: str = "rlkit", config: dict | None = None, **init_kwargs):
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ImportError("WandbSink needs wandb: pip install 'rlkit[wandb]'") from exc
+        mode = init_kwargs.pop("mode", None) or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        self.run = wandb.init(project=project, config=config or {}, mode=mode, **init_kwargs)
+
+    def on_step(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
