@@ -63,12 +63,13 @@ def doctor(args) -> int:
 def run(args) -> int:
     from rlkit.jobs import run_task
 
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "fn", "task")}
     if args.nproc_per_node and args.nproc_per_node > 1:
         from rlkit.launch import launch
 
-        result = launch(run_task, args.task, vars(args), nproc_per_node=args.nproc_per_node)
+        result = launch(run_task, args.task, options, nproc_per_node=args.nproc_per_node)
     else:
-        result = run_task(args.task, vars(args))
+        result = run_task(args.task, options)
     if args.json:
         print(json.dumps(result))
     return 0

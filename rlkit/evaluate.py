@@ -5,7 +5,7 @@ from typing import Callable
 
 import torch
 
-from rlkit.data import PromptSet
+from rlkit.data import Prompts, PromptSet
 from rlkit.engines.base import SamplingParams
 
 
@@ -13,7 +13,7 @@ from rlkit.engines.base import SamplingParams
 def evaluate(
     model: torch.nn.Module,
     tokenizer,
-    prompts: PromptSet,
+    prompts: PromptSet | Prompts,
     reward: Callable,
     *,
     max_new_tokens: int = 16,
@@ -37,7 +37,7 @@ def evaluate(
     try:
         for start in range(0, len(prompts), batch_size):
             index = list(range(start, min(len(prompts), start + batch_size)))
-            chunk = prompts.take(index)
+            chunk = prompts.take(index) if isinstance(prompts, PromptSet) else prompts[start : start + batch_size]
             out = eng.generate(chunk.ids, params, generator=g)
             batch = from_generation(chunk, out, tokenizer, policy_version=0)
             scored = score(batch, reward)
