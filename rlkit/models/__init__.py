@@ -1,5 +1,5 @@
 """Models layer: tokenizers, model building/loading, and the training forward (log-probs, values)."""
-from rlkit.models.build import PRESETS, causal_lm_types, critic, load_model, tiny
+from rlkit.models.build import PRESETS, causal_lm_types, critic, load_model, tiny, tiny_config
 from rlkit.models.logprobs import (
     LogprobModule,
     ValueModule,
@@ -22,6 +22,7 @@ __all__ = [
     "response_hidden",
     "response_logprobs",
     "tiny",
+    "tiny_config",
     "token_logprobs",
     "values_for_response",
 ]

@@ -68,6 +68,17 @@ def _config(arch: str, fields: dict[str, Any]) -> PretrainedConfig:
     return getattr(transformers, ARCHS[arch])(**fields)
 
 
+def tiny_config(vocab: Any, size: str = "tiny", arch: str = "qwen2", **overrides: Any) -> PretrainedConfig:
+    """The config :func:`tiny` builds its model from (same arguments, no weights allocated)."""
+    if size not in PRESETS:
+        raise ValueError(f"unknown size {size!r}; choose one of {sorted(PRESETS)} (or pass hidden_size=... overrides)")
+    fields: dict[str, Any] = {"tie_word_embeddings": True, **PRESETS[size]}
+    fields.update(_vocab_fields(vocab))
+    fields.update(overrides)
+    fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
+    return _config(arch, fields)
+
+
 def tiny(
     vocab: Any,
     size: str = "tiny",
@@ -83,20 +94,18 @@ def tiny(
     ``arch``: ``"qwen2"`` (q/k/v biases), ``"llama"`` or ``"qwen3"`` (q/k RMS norms).
     ``overrides``: any config field (``hidden_size=64``, ``rope_theta=1e6``,
     ``tie_word_embeddings=False``, ...). Word embeddings are tied by default. The global RNG is
-    left untouched: the seed only drives this initialisation.
+    left untouched: the seed only drives this initialisation. A tokenizer given as ``vocab`` is
+    kept as ``model.rlkit_tokenizer`` (``rlkit.init`` reads it).
     """
-    if size not in PRESETS:
-        raise ValueError(f"unknown size {size!r}; choose one of {sorted(PRESETS)} (or pass hidden_size=... overrides)")
     from transformers import AutoModelForCausalLM
 
-    fields: dict[str, Any] = {"tie_word_embeddings": True, **PRESETS[size]}
-    fields.update(_vocab_fields(vocab))
-    fields.update(overrides)
-    fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
-    config = _config(arch, fields)
+    config = tiny_config(vocab, size, arch, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if not isinstance(vocab, int):
+        # rk.init picks the tokenizer up from here, so tiny(tokenizer) alone is enough to train
+        model.rlkit_tokenizer = vocab
     return model
 
 

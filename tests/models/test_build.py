@@ -1,0 +1,135 @@
+import json
+
+import pytest
+import torch
+
+from rlkit.models import critic, load_model, tiny, tiny_config
+from rlkit.models.build import PRESETS
+from rlkit.models.tokenizers import char_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return char_tokenizer("0123456789+= ")
+
+
+def _ids(vocab: int, b: int = 3, s: int = 7) -> torch.Tensor:
+    return torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(0))
+
+
+def test_tiny_preset_shape_and_tokenizer_ids(tok):
+    model = tiny(tok)
+    c = model.config
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size) == (
+        128, 2, 4, 2, 512
+    )
+    assert c.head_dim == 32
+    assert (c.vocab_size, c.pad_token_id, c.bos_token_id, c.eos_token_id) == (len(tok), 0, 1, 2)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied by default
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert model.rlkit_tokenizer is tok
+    assert next(model.parameters()).dtype == torch.float32
+
+
+def test_tiny_is_seeded_and_leaves_global_rng_alone(tok):
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a = tiny(tok, seed=7)
+    after = torch.rand(1)
+    assert torch.equal(before, after)  # building the model drew nothing from the global RNG
+    b = tiny(tok, seed=7)
+    c = tiny(tok, seed=8)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+    assert not torch.equal(a.model.embed_tokens.weight, c.model.embed_tokens.weight)
+
+
+def test_presets_and_int_vocab():
+    assert PRESETS["small"]["hidden_size"] == 256 and PRESETS["small"]["num_hidden_layers"] == 4
+    # the 0.5b shape as a config (allocating 151936 x 896 embeddings would dominate the test time)
+    c = tiny_config(151936, size="qwen2.5-0.5b")
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (896, 24, 14, 2)
+    assert (c.intermediate_size, c.vocab_size, c.head_dim) == (4864, 151936, 64)
+    assert c.rope_parameters["rope_theta"] == 1e6 and c.tie_word_embeddings
+    model = tiny(300, size="small", num_hidden_layers=1)
+    assert model.config.hidden_size == 256 and model.config.vocab_size == 300
+    assert not hasattr(model, "rlkit_tokenizer")
+
+
+@pytest.mark.parametrize("arch, cls", [("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
+def test_other_archs(arch, cls):
+    model = tiny(40, arch=arch, hidden_size=64, intermediate_size=128)
+    assert type(model).__name__ == cls and model.config.head_dim == 16
+    assert model(_ids(40)).logits.shape == (3, 7, 40)
+
+
+def test_overrides_and_bad_names(tok):
+    model = tiny(tok, hidden_size=64, tie_word_embeddings=False, dtype=torch.bfloat16)
+    assert model.config.hidden_size == 64 and model.config.head_dim == 16
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown size 'huge'"):
+        tiny(tok, size="huge")
+    with pytest.raises(ValueError, match="unknown arch 'gpt2'"):
+        tiny(tok, arch="gpt2")
+
+
+def test_save_and_load_gives_identical_logits(tok, tmp_path):
+    model = tiny(tok, hidden_size=64, intermediate_size=128).eval()
+    model.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    x = _ids(len(tok))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=1e-6)
+
+
+def test_load_model_errors(tok, tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        load_model(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(tmp_path)
+    model = tiny(tok, hidden_size=32, intermediate_size=64)
+    model.config.save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"no weights .*model\.safetensors"):
+        load_model(tmp_path)
+    # a non-causal architecture (an encoder) is named, with the supported list
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit", "architectures": ["ViTModel"]}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"'vit' model.*not a causal LM.*qwen2"):
+        load_model(tmp_path)
+
+
+def test_critic_from_actor_shares_backbone_values_and_round_trips(tok, tmp_path):
+    actor = tiny(tok, hidden_size=64, intermediate_size=128)
+    value_model = critic(actor)
+    assert type(value_model).__name__ == "Qwen2ForTokenClassification"
+    assert value_model.score.out_features == 1 and value_model.dropout.p == 0.0
+    for name, p in actor.model.named_parameters():
+        assert torch.equal(p, value_model.model.get_parameter(name)), name
+    x = _ids(len(tok))
+    with torch.no_grad():
+        values = value_model(x).logits
+        # by hand: score(final hidden state of the shared backbone)
+        expected = value_model.score(actor.model(x).last_hidden_state)
+    assert values.shape == (3, 7, 1)
+    torch.testing.assert_close(values, expected, rtol=0, atol=1e-6)
+
+    value_model.save_pretrained(tmp_path / "critic")
+    reloaded = critic(tmp_path / "critic")
+    with torch.no_grad():
+        # not bit-exact: the CPU matmul kernel depends on the memory alignment of the mmapped weights
+        torch.testing.assert_close(reloaded(x).logits, values, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="not a causal LM.*critic"):
+        load_model(tmp_path / "critic")
+
+
+def test_critic_from_actor_directory_and_config(tok, tmp_path):
+    actor = tiny(tok, hidden_size=64, intermediate_size=128)
+    actor.save_pretrained(tmp_path)
+    from_dir = critic(tmp_path)
+    assert torch.equal(from_dir.model.layers[1].mlp.up_proj.weight, actor.model.layers[1].mlp.up_proj.weight)
+    fresh = critic(actor.config, seed=3)
+    assert not torch.equal(fresh.model.embed_tokens.weight, actor.model.embed_tokens.weight)
+    assert torch.equal(critic(actor.config, seed=3).score.weight, fresh.score.weight)  # seeded

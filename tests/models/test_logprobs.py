@@ -1,0 +1,173 @@
+import math
+
+import pytest
+import torch
+
+from rlkit.batch import make_batch
+from rlkit.models import (
+    LogprobModule,
+    critic,
+    response_logprobs,
+    tiny,
+    token_logprobs,
+    values_for_response,
+)
+from rlkit.models.tokenizers import char_tokenizer
+
+# rows of different prompt / response lengths, including a 1-token prompt and a 1-token response
+PROMPTS = [[5, 6, 7], [8], [9, 10, 11, 12, 13], [4, 4], [7, 8, 9, 10]]
+RESPONSES = [[5, 5, 5, 6], [7], [8, 9], [10, 11, 12], [13, 14, 15, 16, 4, 5]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    tok = char_tokenizer("0123456789+= ")
+    # a larger init than the default 0.02 gives peaked, varied distributions (a stronger test)
+    return tiny(tok, hidden_size=64, intermediate_size=128, initializer_range=0.2, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return make_batch(PROMPTS, RESPONSES, pad_token_id=0)
+
+
+def _args(batch):
+    return batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"]
+
+
+def _reference(model, temperature=1.0):
+    """Row by row, unpadded, full logits, float64 log-softmax: obviously correct and slow."""
+    lp = torch.zeros(len(PROMPTS), max(map(len, RESPONSES)), dtype=torch.float64)
+    ent = torch.zeros_like(lp)
+    rows = []
+    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
+        logits = model(torch.tensor([p + r])).logits[0].double() / temperature
+        logp = logits.log_softmax(-1)
+        for j, token in enumerate(r):
+            pos = len(p) - 1 + j  # the position whose logits predict response token j
+            rows.append(logp[pos, token])
+            lp[i, j] = logp[pos, token].detach()
+            ent[i, j] = -(logp[pos].exp() * logp[pos]).sum().detach()
+    return lp, ent, torch.stack(rows)
+
+
+def test_token_logprobs_hand_worked():
+    logits = torch.tensor([[0.0, math.log(3.0)], [2.0, 2.0]])
+    lp, ent = token_logprobs(logits, torch.tensor([1, 0]), with_entropy=True)
+    torch.testing.assert_close(lp, torch.tensor([math.log(0.75), math.log(0.5)]))
+    h0 = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    torch.testing.assert_close(ent, torch.tensor([h0, math.log(2.0)]))
+    # temperature 2 halves the logits: p = (1, sqrt 3) / (1 + sqrt 3)
+    lp2, _ = token_logprobs(logits[:1], torch.tensor([1]), temperature=2.0)
+    torch.testing.assert_close(lp2, torch.tensor([math.log(math.sqrt(3) / (1 + math.sqrt(3)))]))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_packed_equals_padded_equals_reference(model, batch, temperature):
+    with torch.no_grad():
+        packed_lp, packed_ent = response_logprobs(model, *_args(batch), temperature=temperature, with_entropy=True)
+        padded_lp, padded_ent = response_logprobs(
+            model, *_args(batch), temperature=temperature, with_entropy=True, layout="padded"
+        )
+        ref_lp, ref_ent, _ = _reference(model, temperature)
+    assert packed_lp.dtype == torch.float32 and packed_lp.shape == batch["response_ids"].shape
+    torch.testing.assert_close(packed_lp, padded_lp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed_ent, padded_ent, rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed_lp.double(), ref_lp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed_ent.double(), ref_ent, rtol=0, atol=1e-5)
+    # masked positions are exactly 0, and the distributions are far from uniform (a meaningful test)
+    mask = batch["response_mask"]
+    assert (packed_lp[~mask] == 0).all() and (packed_ent[~mask] == 0).all()
+    assert packed_lp[mask].std() > 0.3
+
+
+def test_chunking_does_not_change_results(model, batch):
+    with torch.no_grad():
+        whole, whole_ent = response_logprobs(model, *_args(batch), with_entropy=True, chunk_tokens=4096)
+        for chunk in (1, 3, 7):
+            lp, ent = response_logprobs(model, *_args(batch), with_entropy=True, chunk_tokens=chunk)
+            torch.testing.assert_close(lp, whole, rtol=0, atol=1e-6)
+            torch.testing.assert_close(ent, whole_ent, rtol=0, atol=1e-6)
+        no_entropy = response_logprobs(model, *_args(batch))
+    assert no_entropy[1] is None
+
+
+def _grads(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_gradients_packed_padded_reference(model, batch):
+    weights = torch.linspace(-1.0, 2.0, batch["response_ids"].numel()).view(batch["response_ids"].shape)
+    grads = {}
+    for layout in ("packed", "padded"):
+        lp, ent = response_logprobs(model, *_args(batch), layout=layout, with_entropy=True, chunk_tokens=4)
+        grads[layout] = _grads(model, (lp * weights).sum() + 0.1 * ent.sum())
+    _, _, ref_rows = _reference(model)
+    mask = batch["response_mask"]
+    logits_rows = []  # entropy rows of the reference, recomputed with grad
+    for p, r in zip(PROMPTS, RESPONSES):
+        logp = model(torch.tensor([p + r])).logits[0].double().log_softmax(-1)
+        logits_rows.append(-(logp.exp() * logp).sum(-1)[len(p) - 1 : len(p) - 1 + len(r)])
+    ref_loss = (ref_rows * weights[mask].double()).sum() + 0.1 * torch.cat(logits_rows).sum()
+    grads["reference"] = _grads(model, ref_loss)
+    for name, g in grads["reference"].items():
+        scale = g.abs().max().item() + 1e-12
+        torch.testing.assert_close(grads["packed"][name], g.float(), rtol=0, atol=1e-5 * max(1.0, scale), msg=name)
+        torch.testing.assert_close(grads["padded"][name], g.float(), rtol=0, atol=1e-5 * max(1.0, scale), msg=name)
+    assert any(g.abs().max() > 1e-3 for g in grads["packed"].values())
+    model.zero_grad(set_to_none=True)
+
+
+def test_eager_attention_packed_equals_padded(batch):
+    model = tiny(20, hidden_size=64, intermediate_size=128, initializer_range=0.2, attn_implementation="eager")
+    assert model.config._attn_implementation == "eager"
+    with torch.no_grad():
+        a, _ = response_logprobs(model, *_args(batch))
+        b, _ = response_logprobs(model, *_args(batch), layout="padded")
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_logprob_module_is_one_module_call(model, batch):
+    module = LogprobModule(model)
+    assert isinstance(module, torch.nn.Module)
+    assert {n for n, _ in module.named_parameters()} == {"model." + n for n, _ in model.named_parameters()}
+    calls = []
+    handle = module.register_forward_pre_hook(lambda m, args: calls.append(1))
+    with torch.no_grad():
+        via_module, _ = response_logprobs(module, *_args(batch))
+        direct, _ = response_logprobs(model, *_args(batch))
+    handle.remove()
+    assert calls == [1]  # response_logprobs called the wrapper itself (FSDP2's hooks fire there)
+    torch.testing.assert_close(via_module, direct, rtol=0, atol=0)
+
+
+def test_bad_inputs_are_named(model, batch):
+    args = _args(batch)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        response_logprobs(model, *args, temperature=0.0)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        response_logprobs(model, *args, layout="ragged")
+    right_padded_prompt = args[1].flip(-1)
+    with pytest.raises(ValueError, match="prompt_mask"):
+        response_logprobs(model, args[0], right_padded_prompt, args[2], args[3])
+    left_padded_response = args[3].flip(-1)
+    with pytest.raises(ValueError, match="response_mask is not right-padded"):
+        response_logprobs(model, args[0], args[1], args[2], left_padded_response)
+
+
+def test_values_packed_padded_and_alignment(model, batch):
+    value_model = critic(model)
+    with torch.no_grad():
+        packed_v = values_for_response(value_model, *_args(batch))
+        padded_v = values_for_response(value_model, *_args(batch), layout="padded")
+        torch.testing.assert_close(packed_v, padded_v, rtol=0, atol=1e-5)
+        for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
+            full = value_model(torch.tensor([p + r])).logits[0, :, 0]
+            # verl: the value of token j sits at the position that predicts it
+            torch.testing.assert_close(packed_v[i, : len(r)], full[len(p) - 1 : len(p) - 1 + len(r)], rtol=0, atol=1e-5)
+            assert (packed_v[i, len(r) :] == 0).all()
+    # gradients flow to the critic
+    values_for_response(value_model, *_args(batch)).sum().backward()
+    assert value_model.score.weight.grad.abs().sum() > 0
