@@ -79,6 +79,27 @@ def _options(options: dict[str, Any] | None) -> argparse.Namespace:
     return argparse.Namespace(**merged)
 
 
+def _resume_target(opts: argparse.Namespace):
+    """The checkpoint ``--resume`` points at, or None (a fresh start).
+
+    ``auto``: the newest complete checkpoint in ``OUT/checkpoints`` (none yet: a fresh start);
+    a path: a step_* directory, a checkpoints directory or another run's ``--out``.
+    """
+    from rlkit.checkpoint import latest, resolve
+
+    if opts.checkpoint_every < 0:
+        raise ValueError(f"--checkpoint-every must be >= 0 (0: only on SIGTERM), got {opts.checkpoint_every}")
+    if opts.checkpoint_every and not opts.out:
+        raise ValueError("--checkpoint-every needs --out DIR (checkpoints are written to DIR/checkpoints)")
+    if not opts.resume:
+        return None
+    if opts.resume == "auto":
+        if not opts.out:
+            raise ValueError("--resume auto needs --out DIR (it continues from the newest checkpoint in DIR/checkpoints)")
+        return latest(os.path.join(opts.out, "checkpoints"))
+    return resolve(opts.resume)
+
+
 def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Warm up a tiny model on ``task_name``, run RL, evaluate before/after; return the summary."""
     from rich.console import Console
@@ -107,13 +128,15 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     def accuracy(m) -> float:
         return evaluate(m, tok, eval_set, task.reward, max_new_tokens=task.max_new_tokens)["accuracy"]
 
-    sft_sink = ConsoleSink(opts.sft_steps, "warm-up", keys=("sft/loss",), console=console) if not opts.quiet and opts.sft_steps else None
-    warmup(model, tok, task.sft_examples, steps=opts.sft_steps, lr=opts.sft_lr, seed=opts.seed,
-           on_step=(lambda s, m: sft_sink.on_step(s + 1, m)) if sft_sink else None)
-    if sft_sink:
-        sft_sink.close()
-    acc_before = accuracy(model)
-    console.print(f"held-out accuracy after warm-up: [bold]{acc_before:.3f}[/bold]")
+    resume_from = _resume_target(opts)
+    if resume_from is None:
+        sft_sink = ConsoleSink(opts.sft_steps, "warm-up", keys=("sft/loss",), console=console) if not opts.quiet and opts.sft_steps else None
+        warmup(model, tok, task.sft_examples, steps=opts.sft_steps, lr=opts.sft_lr, seed=opts.seed,
+               on_step=(lambda s, m: sft_sink.on_step(s + 1, m)) if sft_sink else None)
+        if sft_sink:
+            sft_sink.close()
+        acc_before = accuracy(model)
+        console.print(f"held-out accuracy after warm-up: [bold]{acc_before:.3f}[/bold]")
 
     kl = ("low_var_kl", opts.kl) if opts.kl else None
     recipe = recipe.with_(n=opts.n, max_new_tokens=task.max_new_tokens, temperature=opts.temperature, kl=kl)
@@ -123,6 +146,24 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
 
         critic = make_critic(model)
     state = init(model, adamw(lr=opts.lr, weight_decay=0.0), tokenizer=tok, ref="copy" if kl else None, critic=critic, seed=opts.seed)
+    if resume_from is not None:
+        # the checkpoint holds the warmed-up (and partly RL-trained) model, the ref and the optimizer
+        from rlkit.checkpoint import load
+
+        state = load(state, resume_from)
+        acc_before = state.extras.get("job/accuracy_before_rl", float("nan"))
+        console.print(f"resumed from {resume_from} at step {state.step} (data position {state.data_position})")
+    else:
+        # kept in the checkpoints so a resumed job still reports the accuracy before RL
+        state = state.replace(extras={**state.extras, "job/accuracy_before_rl": acc_before})
+    checkpointer = None
+    if opts.out:
+        # with --out a SIGTERM always saves (at the next step boundary) and exits with status 143;
+        # --checkpoint-every K also saves every K steps into OUT/checkpoints
+        from rlkit.checkpoint import Checkpointer
+
+        checkpointer = Checkpointer(os.path.join(opts.out, "checkpoints"), every=opts.checkpoint_every, keep=opts.keep_checkpoints)
+        checkpointer.last_saved_step = state.step if resume_from is not None else None
     sinks: list[Any] = []
     if opts.out:
         os.makedirs(opts.out, exist_ok=True)
@@ -133,11 +174,15 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     try:
         state, history = fit(
             state, recipe, task.reward, task.train, steps=opts.steps, batch_size=opts.batch_size, sinks=sinks,
-            eval_fn=lambda s: {"accuracy": accuracy(s.actor)}, eval_every=opts.eval_every,
+            eval_fn=lambda s: {"accuracy": accuracy(s.actor)}, eval_every=opts.eval_every, checkpointer=checkpointer,
         )
+        if checkpointer is not None and checkpointer.every and checkpointer.last_saved_step != state.step:
+            checkpointer.save(state)  # the final state, so a longer --steps can continue from it
     finally:
         for s in sinks:
             s.close()
+        if checkpointer is not None:
+            checkpointer.close()
     acc_after = history[-1]["eval/accuracy"] if history and "eval/accuracy" in history[-1] else accuracy(state.actor)
     wall = time.perf_counter() - t_start
     summary = {
@@ -153,6 +198,11 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
         "wall_s": wall,
         "device": str(device),
     }
+    if resume_from is not None:
+        summary["resumed_from"] = str(resume_from)
+    if checkpointer is not None and checkpointer.last_save_seconds is not None:
+        summary["checkpoint_save_s"] = checkpointer.last_save_seconds
+        summary["checkpoint_bytes"] = checkpointer.last_save_bytes
     console.print(summary_table(
         f"rlkit run {task_name} --algo {opts.algo} (seed {opts.seed})",
         [("held-out accuracy after warm-up", f"{acc_before:.3f}"), ("held-out accuracy after RL", f"{acc_after:.3f}"),

@@ -1,0 +1,872 @@
+"""Checkpoints you can resume exactly: torch.distributed.checkpoint (DCP), atomic, keep-last-N.
+
+What a checkpoint holds (one directory per step, ``<root>/step_000123``)::
+
+    step_000123/
+      .metadata, __<rank>_<i>.distcp   DCP: actor, optimizer, critic, critic_optimizer, ref
+                                       (sharded tensors: saved on N processes, loadable on M),
+                                       "trainer" (step, policy_version, seed, data_position,
+                                       extras, LR schedulers) and "rng.rank<r>" (python, numpy,
+                                       torch, cuda global RNG states of every process)
+      meta.json                        rlkit/torch versions, world size, per model: class,
+                                       config, config hash, parameter shapes and dtypes
+      COMPLETE                         manifest {file: bytes, sha256}; written last
+
+Atomicity: everything is written into ``step_000123.tmp-<uuid>``; ``COMPLETE`` is written and
+fsynced last, then the directory is renamed to ``step_000123`` (a rename is atomic on POSIX
+file systems). A crash at any point leaves either the previous checkpoints untouched plus a
+``*.tmp-*`` directory (ignored, then deleted by the next :class:`Checkpointer`), or the new
+complete checkpoint. A directory without ``COMPLETE`` is never loaded.
+
+The reference model is saved whenever the state has one: it cannot be rebuilt in general
+(``rk.init(..., ref="copy")`` snapshots the actor *after* a warm-up, which a resumed job skips).
+Pass ``save_ref=False`` when your ref is loaded from a fixed directory anyway.
+
+RNG: rlkit's own randomness is derived from ``(seed, step)`` with :func:`rlkit.state.fold_in`, so
+restoring ``seed`` and ``step`` already reproduces sampling; the global RNG states are saved for
+code outside rlkit that uses them. A rank that did not exist at save time (resuming on more
+processes) keeps its current global RNG state.
+
+Multi-process: every rank calls :func:`save` / :func:`load` (they are collectives over the default
+process group); ``root`` must be a file system that every rank sees.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import signal
+import threading
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from rlkit.state import TrainState
+
+FORMAT_VERSION = 1
+MARKER = "COMPLETE"
+META = "meta.json"
+PREFIX = "step_"
+_FINAL = re.compile(r"^step_(\d+)$")
+_GARBAGE = re.compile(r"^step_(\d+)\.(tmp|old)-[0-9a-f]+$")
+#: (model field, optimizer field, scheduler field) of the TrainState roles that are trained
+_TRAINED = (("actor", "optimizer", "scheduler"), ("critic", "critic_optimizer", "critic_scheduler"))
+#: config keys that differ between otherwise identical models (not part of the config hash)
+_VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures", "_commit_hash"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message names the path and the fix."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint (or the checkpoint directory) does not exist."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint was saved from a different model / state structure."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint file is missing, truncated or fails its checksum."""
+
+
+class Preempted(SystemExit):
+    """Raised by :meth:`Checkpointer.maybe_save` after saving on SIGTERM (exit status 143)."""
+
+    def __init__(self, path: str):
+        super().__init__(128 + signal.SIGTERM)
+        self.path = path
+
+
+# --------------------------------------------------------------------------- process group
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    # DCP warns "assuming the intent is to save in a single process" even when told no_dist=True
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
+        yield
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+def _barrier() -> None:
+    if _world() > 1:
+        dist.barrier()
+
+
+def _broadcast(obj: Any) -> Any:
+    if _world() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    if _world() == 1:
+        return [obj]
+    out: list[Any] = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# --------------------------------------------------------------------------- directory layout
+def step_dir_name(step: int) -> str:
+    """``step_000123``: zero-padded so names sort like steps (more digits past 999999)."""
+    if step < 0:
+        raise ValueError(f"checkpoint step must be >= 0, got {step}")
+    return f"{PREFIX}{step:06d}"
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root`` as ``(step, path)``, oldest first (no marker: skipped)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        m = _FINAL.match(entry.name)
+        if m and entry.is_dir() and (entry / MARKER).is_file():
+            found.append((int(m.group(1)), entry))
+    return sorted(found)
+
+
+def latest(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def cleanup(root: str | os.PathLike) -> list[Path]:
+    """Delete leftovers of interrupted saves under ``root`` (``*.tmp-*``, ``*.old-*``, and
+    ``step_*`` directories without a ``COMPLETE`` marker). Returns what was removed.
+
+    Only call this when no save is in progress (a :class:`Checkpointer` does, on creation)."""
+    root = Path(root)
+    removed = []
+    if not root.is_dir():
+        return removed
+    for entry in root.iterdir():
+        if not entry.is_dir():
+            continue
+        if _GARBAGE.match(entry.name) or (_FINAL.match(entry.name) and not (entry / MARKER).is_file()):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def prune(root: str | os.PathLike, keep: int, *, protect: Iterable[str | os.PathLike] = ()) -> list[Path]:
+    """Keep the ``keep`` complete checkpoints with the highest steps; delete the others
+    (never one in ``protect``). ``keep <= 0`` keeps everything."""
+    if not keep or keep <= 0:
+        return []
+    protected = {Path(p).resolve() for p in protect}
+    found = list_checkpoints(root)
+    removed = []
+    for _, path in found[: max(0, len(found) - keep)]:
+        if path.resolve() in protected:
+            continue
+        # rename first so a crash mid-delete leaves garbage, never a marker-less "step_" dir
+        doomed = path.with_name(f"{path.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _previous(path: Path) -> Path | None:
+    m = _FINAL.match(path.name)
+    if not m:
+        return None
+    older = [p for s, p in list_checkpoints(path.parent) if s < int(m.group(1))]
+    return older[-1] if older else None
+
+
+def _try_previous(path: Path) -> str:
+    prev = _previous(path)
+    if prev is None:
+        return "there is no older checkpoint next to it: start a fresh run (a new --out directory, or no --resume)"
+    return f"resume from the previous checkpoint instead ({prev}, e.g. `--resume {prev}` or `checkpointer.restore(state, path='{prev}')`) and delete the broken one"
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The checkpoint meant by ``path``: a ``step_*`` directory itself, the newest one in a
+    checkpoints root, or in ``<path>/checkpoints`` (a ``rlkit run --out`` directory)."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointNotFoundError(
+            f"checkpoint path {str(p)!r} does not exist; give a step_* checkpoint directory, the checkpoints directory "
+            f"that holds them, or use --resume auto to start fresh when there is none"
+        )
+    if not p.is_dir():
+        raise CheckpointNotFoundError(f"checkpoint path {str(p)!r} is a file; give a step_* checkpoint directory or its parent")
+    if (p / MARKER).is_file() or _FINAL.match(p.name):
+        return p
+    for root in (p, p / "checkpoints"):
+        newest = latest(root)
+        if newest is not None:
+            return newest
+    raise CheckpointNotFoundError(
+        f"no complete checkpoint in {str(p)!r} (looked for step_*/{MARKER} there and in its checkpoints/ folder); "
+        "an interrupted save leaves no marker and is ignored. Use --resume auto to start fresh when there is none"
+    )
+
+
+# --------------------------------------------------------------------------- state <-> dicts
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # numpy is optional
+        pass
+    # never initialise CUDA just to read its RNG
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        try:
+            import numpy as np
+
+            np.random.set_state(state["numpy"])
+        except ImportError:
+            pass
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _config_of(model: torch.nn.Module) -> dict[str, Any] | None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return None
+    return json.loads(json.dumps(config.to_dict(), sort_keys=True, default=str))
+
+
+def config_hash(config: dict[str, Any] | None) -> str | None:
+    """sha256 of a model config (as JSON), ignoring keys that vary between equal models."""
+    if config is None:
+        return None
+    stable = {k: v for k, v in config.items() if k not in _VOLATILE_CONFIG_KEYS}
+    return hashlib.sha256(json.dumps(stable, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _describe(model: torch.nn.Module) -> dict[str, Any]:
+    # DTensor.shape is the global shape, so the description does not depend on the world size
+    sd = model.state_dict()
+    config = _config_of(model)
+    return {
+        "class": type(model).__name__,
+        "config": config,
+        "config_hash": config_hash(config),
+        "parameters": {k: list(v.shape) for k, v in sd.items()},
+        "dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in sd.items()},
+        "numel": int(sum(v.numel() for v in sd.values())),
+    }
+
+
+def _roles(state: TrainState, save_ref: bool) -> list[str]:
+    roles = ["actor"]
+    if state.critic is not None:
+        roles.append("critic")
+    if save_ref and state.ref is not None:
+        roles.append("ref")
+    return roles
+
+
+def _sd_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=False, cpu_offload=False)
+
+
+def _model_optim_sd(model, optimizer) -> tuple[dict, dict | None, dict]:
+    """(model state dict, optimizer state dict or None, info) in DCP's FQN-keyed form.
+
+    An optimizer that never stepped has no state, and DCP's ``get_state_dict`` would create it
+    with a fake zero-lr step (AdamW ``step`` = 1), which changes the bias correction of the run's
+    first real step. So such an optimizer is saved as its param-group hyperparameters only, and
+    restored empty: the resumed run takes the same first step as the uninterrupted one.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return get_model_state_dict(model, options=_sd_options()), None, {"initialized": False, "param_groups": None}
+    if not optimizer.state:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        return get_model_state_dict(model, options=_sd_options()), None, {"initialized": False, "param_groups": groups}
+    msd, osd = get_state_dict(model, optimizer, options=_sd_options())
+    return msd, osd, {"initialized": True, "param_groups": None}
+
+
+def _state_dict(state: TrainState, save_ref: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The DCP state dict of ``state`` (tensors by reference, no copies) and the trainer values."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    sd: dict[str, Any] = {}
+    trainer: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "step": int(state.step),
+        "policy_version": int(state.policy_version),
+        "seed": int(state.seed),
+        "data_position": int(state.data_position),
+        "extras": dict(state.extras),
+        "optimizer_spec": state.optimizer_spec.to_dict() if state.optimizer_spec is not None else None,
+        "optimizers": {},
+        "schedulers": {},
+    }
+    for model_key, opt_key, sched_key in _TRAINED:
+        model = getattr(state, model_key)
+        if model is None:
+            continue
+        optimizer = getattr(state, opt_key)
+        msd, osd, info = _model_optim_sd(model, optimizer)
+        sd[model_key] = msd
+        if osd is not None:
+            sd[opt_key] = osd
+        trainer["optimizers"][opt_key] = info
+        scheduler = getattr(state, sched_key)
+        trainer["schedulers"][sched_key] = scheduler.state_dict() if scheduler is not None else None
+    if save_ref and state.ref is not None:
+        sd["ref"] = get_model_state_dict(state.ref, options=_sd_options())
+    # python values as opaque bytes leaves: DCP writes them once (rank 0) and never flattens them
+    sd["trainer"] = pickle.dumps(trainer)
+    sd[f"rng.rank{_rank()}"] = pickle.dumps(_rng_state())
+    return sd, trainer
+
+
+# --------------------------------------------------------------------------- manifest
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        _fsync_file(path)
+    except OSError:  # some file systems cannot fsync a directory; the rename is still atomic
+        pass
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, sort_keys=True, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _hash_files(directory: Path, names: list[str], checksum: bool) -> dict[str, dict[str, Any]]:
+    """Sizes (and sha256) of ``names``; the hashing is split over the ranks."""
+    rank, world = _rank(), _world()
+    mine = {}
+    for i, name in enumerate(names):
+        if i % world == rank:
+            path = directory / name
+            mine[name] = {"bytes": path.stat().st_size, **({"sha256": _sha256(path)} if checksum else {})}
+    merged: dict[str, dict[str, Any]] = {}
+    for part in _all_gather(mine):
+        merged.update(part)
+    return merged
+
+
+def _write_meta(directory: Path, meta: dict[str, Any]) -> None:
+    _write_json(directory / META, meta)
+
+
+def _write_marker(directory: Path, manifest: dict[str, Any]) -> None:
+    _write_json(directory / MARKER, manifest)
+
+
+# --------------------------------------------------------------------------- save
+def save(
+    state: TrainState,
+    root: str | os.PathLike,
+    step: int | None = None,
+    *,
+    keep: int | None = None,
+    checksum: bool = True,
+    save_ref: bool = True,
+) -> Path:
+    """Write ``state`` to ``root/step_<step>`` atomically; returns that path.
+
+    ``step`` defaults to ``state.step``. ``keep``: afterwards keep only the newest ``keep``
+    checkpoints (None: keep all). ``checksum``: record each file's sha256 in the manifest (sizes
+    are always recorded). A collective on N processes: every rank must call it.
+    An existing checkpoint of the same step is replaced (after the new one is complete).
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"save expects a TrainState, got {type(state).__name__}")
+    state._check()
+    import torch.distributed.checkpoint as dcp
+
+    step = int(state.step if step is None else step)
+    root = Path(root)
+    name = step_dir_name(step)
+    tmp = root / f"{name}.tmp-{_broadcast(uuid.uuid4().hex[:12])}"
+    final = root / name
+    if _rank() == 0:
+        tmp.mkdir(parents=True)
+    _barrier()
+    try:
+        sd, trainer = _state_dict(state, save_ref)
+        with _quiet_dcp():
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=not _distributed())
+        del sd
+        if _rank() == 0:
+            import rlkit
+
+            meta = {
+                "format": FORMAT_VERSION,
+                "rlkit_version": getattr(rlkit, "__version__", "unknown"),
+                "torch_version": torch.__version__,
+                "step": step,
+                "policy_version": trainer["policy_version"],
+                "data_position": trainer["data_position"],
+                "world_size": _world(),
+                "created_unix": time.time(),
+                "optimizer_spec": trainer["optimizer_spec"],
+                "models": {role: _describe(getattr(state, role)) for role in _roles(state, save_ref)},
+            }
+            _write_meta(tmp, meta)
+        _barrier()
+        names = _broadcast(sorted(p.name for p in tmp.iterdir() if p.is_file()) if _rank() == 0 else None)
+        files = _hash_files(tmp, names, checksum)
+        if _rank() == 0:
+            _write_marker(tmp, {"format": FORMAT_VERSION, "step": step, "files": files})
+            _fsync_dir(tmp)
+            old = None
+            if final.exists():
+                old = final.with_name(f"{name}.old-{uuid.uuid4().hex[:8]}")
+                os.replace(final, old)
+            os.replace(tmp, final)
+            _fsync_dir(root)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            if keep:
+                prune(root, keep, protect=[final])
+        _barrier()
+    except BaseException:
+        # an exception (disk full, a bug) cleans up after itself; a hard kill leaves the .tmp-
+        # directory, which latest() ignores and the next Checkpointer deletes
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+# --------------------------------------------------------------------------- load
+def _read_json(path: Path, what: str, checkpoint: Path) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"checkpoint {checkpoint} has no {path.name} ({what}); the checkpoint is incomplete: {_try_previous(checkpoint)}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointCorruptError(f"checkpoint {checkpoint}: file {path.name} ({what}) is corrupted ({exc}); {_try_previous(checkpoint)}") from None
+
+
+def verify(path: str | os.PathLike, *, checksum: bool = True) -> dict[str, Any]:
+    """Check every file of the manifest exists with its size (and sha256); returns the manifest.
+
+    Raises :class:`CheckpointCorruptError` naming the first bad file and the previous checkpoint.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    if not (path / MARKER).is_file():
+        raise CheckpointCorruptError(
+            f"checkpoint {path} has no {MARKER} marker: its save was interrupted, so it may be partial; {_try_previous(path)}"
+        )
+    manifest = _read_json(path / MARKER, "the manifest", path)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files:
+        raise CheckpointCorruptError(f"checkpoint {path}: {MARKER} lists no files; {_try_previous(path)}")
+    rank, world = _rank(), _world()
+    problems = []
+    for i, (name, expect) in enumerate(sorted(files.items())):
+        if i % world != rank:
+            continue
+        file = path / name
+        if not file.is_file():
+            problems.append(f"file {name} is missing")
+            continue
+        size = file.stat().st_size
+        if size != expect.get("bytes"):
+            problems.append(f"file {name} has {size} bytes but the manifest says {expect.get('bytes')} (truncated or overwritten)")
+        elif checksum and "sha256" in expect and _sha256(file) != expect["sha256"]:
+            problems.append(f"file {name} fails its sha256 checksum (its contents changed after the save)")
+    problems = sorted(p for part in _all_gather(problems) for p in part)
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise CheckpointCorruptError(f"checkpoint {path} is corrupted: {problems[0]}{more}; {_try_previous(path)}")
+    return manifest
+
+
+def _fmt_shape(shape) -> str:
+    return "(" + ", ".join(str(int(s)) for s in shape) + ")"
+
+
+def _validate(template: TrainState, meta: dict[str, Any], path: Path, save_ref: bool) -> None:
+    """Raise :class:`CheckpointMismatchError` when the checkpoint does not fit ``template``."""
+    saved = meta.get("models", {})
+    for role in ("actor", "critic", "ref"):
+        model = getattr(template, role)
+        if role == "ref" and not save_ref:
+            continue
+        if model is None:
+            if role == "critic" and role in saved:
+                raise CheckpointMismatchError(
+                    f"checkpoint {path} has a critic (value model) but the state has none; build the state with "
+                    f"critic=rk.models.critic(model) (the checkpoint is from a PPO-style run), or resume a checkpoint of this algorithm"
+                )
+            continue
+        if role not in saved:
+            what = {"critic": "a critic (value model)", "ref": "a reference model"}.get(role, role)
+            raise CheckpointMismatchError(
+                f"the state has {what} but checkpoint {path} does not (it was saved without one); "
+                f"build the state as in the saved run (e.g. the same --kl / --algo), or start a fresh run"
+            )
+        mine = _describe(model)
+        theirs = saved[role]
+        problems = []
+        for key, shape in theirs["parameters"].items():
+            if key not in mine["parameters"]:
+                problems.append(f"parameter {role}.{key} (shape {_fmt_shape(shape)}) is in the checkpoint but not in the model")
+            elif list(mine["parameters"][key]) != list(shape):
+                problems.append(
+                    f"parameter {role}.{key} has shape {_fmt_shape(shape)} in the checkpoint but {_fmt_shape(mine['parameters'][key])} in the model"
+                )
+        for key, shape in mine["parameters"].items():
+            if key not in theirs["parameters"]:
+                problems.append(f"parameter {role}.{key} (shape {_fmt_shape(shape)}) of the model is missing from the checkpoint")
+        if problems:
+            cfg = theirs.get("config") or {}
+            arch = ", ".join(f"{k}={cfg[k]}" for k in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size") if k in cfg)
+            more = f" ({len(problems) - 1} more mismatch(es))" if len(problems) > 1 else ""
+            raise CheckpointMismatchError(
+                f"checkpoint {path} was saved from a different model ({theirs['class']}{': ' + arch if arch else ''}) "
+                f"than this state's {role} ({mine['class']}): {problems[0]}{more}. Build the model with the checkpoint's "
+                f"architecture, or resume from a checkpoint of this model / start a fresh run (a new --out)"
+            )
+        if theirs.get("config_hash") and mine["config_hash"] and theirs["config_hash"] != mine["config_hash"]:
+            a, b = theirs.get("config") or {}, mine["config"] or {}
+            diff = sorted(k for k in set(a) | set(b) if k not in _VOLATILE_CONFIG_KEYS and a.get(k) != b.get(k))
+            warnings.warn(
+                f"checkpoint {path}: the {role}'s config differs from the model's in {diff[:8]} "
+                f"(e.g. {diff[0]}={a.get(diff[0])!r} saved, {b.get(diff[0])!r} now); parameter shapes match, loading anyway" if diff else
+                f"checkpoint {path}: the {role}'s config hash differs; parameter shapes match, loading anyway",
+                RuntimeWarning, stacklevel=3,
+            )
+        dtypes = [k for k, d in theirs.get("dtypes", {}).items() if mine["dtypes"].get(k, d) != d]
+        if dtypes:
+            k = dtypes[0]
+            warnings.warn(
+                f"checkpoint {path}: {role}.{k} was saved as {theirs['dtypes'][k]} but the model holds {mine['dtypes'][k]} "
+                f"({len(dtypes)} tensor(s) differ); values are cast on load, so the resume is not exact",
+                RuntimeWarning, stacklevel=3,
+            )
+
+
+def load(
+    template: TrainState,
+    path: str | os.PathLike,
+    *,
+    checksum: bool = True,
+    load_ref: bool = True,
+) -> TrainState:
+    """Load checkpoint ``path`` into ``template``; returns a NEW state (template is donated).
+
+    ``template`` is a freshly built state of the same structure (same model architecture,
+    optimizer, scheduler, critic and ref presence); its modules, optimizers and schedulers are
+    loaded in place (so FSDP2 sharding and the cached rollout engine stay valid), and the returned
+    state carries the saved ``step``, ``policy_version``, ``seed``, ``data_position`` and
+    ``extras``. The template handle is donated (it would otherwise alias the loaded weights with
+    step 0). ``path`` may be a step_* directory, a checkpoints root or a run directory
+    (see :func:`resolve`). ``checksum=False`` checks file sizes only.
+    """
+    if not isinstance(template, TrainState):
+        raise TypeError(f"load expects a TrainState template (build one with rk.init like the saved run), got {type(template).__name__}")
+    template._check()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    path = resolve(path)
+    verify(path, checksum=checksum)
+    meta = _read_json(path / META, "model description", path)
+    _validate(template, meta, path, load_ref)
+
+    rng_key = f"rng.rank{_rank()}"
+    # a b"" placeholder tells DCP which bytes leaves to read; it replaces them with the saved objects
+    trainer_probe: dict[str, Any] = {"trainer": b""}
+    try:
+        saved_keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        with _quiet_dcp():
+            dcp.load(trainer_probe, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed())
+        trainer = pickle.loads(trainer_probe["trainer"])
+    except Exception as exc:  # noqa: BLE001 - any read failure means a broken file
+        raise CheckpointCorruptError(f"checkpoint {path}: cannot read the trainer state ({type(exc).__name__}: {exc}); {_try_previous(path)}") from exc
+    sd: dict[str, Any] = {}
+    if rng_key in saved_keys:
+        sd[rng_key] = b""
+
+    plans = []
+    for model_key, opt_key, sched_key in _TRAINED:
+        model = getattr(template, model_key)
+        if model is None:
+            continue
+        optimizer = getattr(template, opt_key)
+        info = trainer["optimizers"].get(opt_key, {"initialized": False, "param_groups": None})
+        if optimizer is not None and info["initialized"]:
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            # an empty template optimizer is initialised by DCP (zero-lr step), then overwritten
+            sd[model_key], sd[opt_key] = get_state_dict(model, optimizer, options=_sd_options())
+        else:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            sd[model_key] = get_model_state_dict(model, options=_sd_options())
+        plans.append((model_key, opt_key, sched_key, info))
+    if load_ref and template.ref is not None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        sd["ref"] = get_model_state_dict(template.ref, options=_sd_options())
+    try:
+        with _quiet_dcp():
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed())
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointCorruptError(f"checkpoint {path}: reading the tensors failed ({type(exc).__name__}: {str(exc)[:500]}); {_try_previous(path)}") from exc
+
+    for model_key, opt_key, sched_key, info in plans:
+        model, optimizer = getattr(template, model_key), getattr(template, opt_key)
+        if optimizer is not None and info["initialized"]:
+            set_state_dict(model, optimizer, model_state_dict=sd[model_key], optim_state_dict=sd[opt_key], options=_sd_options())
+        else:
+            set_model_state_dict(model, sd[model_key], options=_sd_options())
+            if optimizer is not None:
+                optimizer.state.clear()  # the saved optimizer never stepped: no moments, step 0
+                for group, saved in zip(optimizer.param_groups, info.get("param_groups") or []):
+                    group.update(saved)
+        scheduler = getattr(template, sched_key)
+        saved_sched = trainer["schedulers"].get(sched_key)
+        if scheduler is not None and saved_sched is not None:
+            scheduler.load_state_dict(saved_sched)
+    if "ref" in sd:
+        set_model_state_dict(template.ref, sd["ref"], options=_sd_options())
+    if rng_key in sd:
+        _set_rng_state(pickle.loads(sd[rng_key]))
+
+    if trainer["seed"] != template.seed:
+        warnings.warn(f"checkpoint {path} was saved with seed={trainer['seed']} but the state has seed={template.seed}; "
+                      "using the checkpoint's seed so the run continues exactly", RuntimeWarning, stacklevel=2)
+    spec = template.optimizer_spec.to_dict() if template.optimizer_spec is not None else None
+    if spec is not None and trainer.get("optimizer_spec") is not None and _jsonable(spec) != _jsonable(trainer["optimizer_spec"]):
+        diff = sorted(k for k in spec if _jsonable(spec.get(k)) != _jsonable(trainer["optimizer_spec"].get(k)))
+        warnings.warn(f"checkpoint {path}: the optimizer spec differs in {diff} (saved {[trainer['optimizer_spec'].get(k) for k in diff]}, "
+                      f"now {[spec.get(k) for k in diff]}); the saved learning rate and schedule state are used", RuntimeWarning, stacklevel=2)
+    restored = template.replace(
+        step=trainer["step"],
+        policy_version=trainer["policy_version"],
+        seed=trainer["seed"],
+        data_position=trainer["data_position"],
+        extras=dict(trainer["extras"]),
+    )
+    template.donate("rlkit.checkpoint.load")
+    return restored
+
+
+def _jsonable(x: Any) -> Any:
+    return json.loads(json.dumps(x, default=str))
+
+
+# --------------------------------------------------------------------------- Checkpointer
+class Checkpointer:
+    """Periodic, atomic checkpoints of a run into ``directory``; resume; save on SIGTERM.
+
+    ``every``: :meth:`maybe_save` saves when ``state.step % every == 0`` (0: only on SIGTERM and
+    explicit :meth:`save`). ``keep``: keep the newest ``keep`` checkpoints (0 or None: all).
+    ``save_on_sigterm``: install a SIGTERM handler (main thread only) that makes the next
+    :meth:`maybe_save` (i.e. the next step boundary) save and raise :class:`Preempted`
+    (a ``SystemExit`` with status 143); a second SIGTERM exits at once. :meth:`close` restores
+    the previous handler. Creating a Checkpointer deletes leftovers of interrupted saves.
+
+        ckpt = Checkpointer("run/checkpoints", every=50, keep=3)
+        state = ckpt.resume(state, "auto")         # newest good checkpoint, or unchanged
+        state, history = rk.fit(state, ..., checkpointer=ckpt)
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        every: int = 0,
+        keep: int | None = 3,
+        *,
+        save_on_sigterm: bool = True,
+        checksum: bool = True,
+        save_ref: bool = True,
+    ):
+        if every is None or every < 0:
+            raise ValueError(f"every must be >= 0 (0: no periodic saves), got {every!r}")
+        if keep is not None and keep < 0:
+            raise ValueError(f"keep must be >= 0 (0 or None: keep every checkpoint), got {keep!r}")
+        self.directory = Path(directory)
+        self.every = int(every)
+        self.keep = keep
+        self.checksum = checksum
+        self.save_ref = save_ref
+        self.last_saved_step: int | None = None
+        self.last_save_seconds: float | None = None
+        self.last_save_bytes: int | None = None
+        self._sigterm = threading.Event()
+        self._previous_handler = None
+        self._installed = False
+        if _rank() == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            cleanup(self.directory)
+        _barrier()
+        if save_on_sigterm:
+            self._install()
+
+    # signals ----------------------------------------------------------------------
+    def _install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._installed = True
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self._sigterm.is_set():
+            # second SIGTERM: stop waiting for the step boundary
+            signal.signal(signal.SIGTERM, self._previous_handler if callable(self._previous_handler) else signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self._sigterm.set()
+
+    def close(self) -> None:
+        """Restore the SIGTERM handler that was there before."""
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous_handler if self._previous_handler is not None else signal.SIG_DFL)
+            self._installed = False
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    @property
+    def preempted(self) -> bool:
+        return self._sigterm.is_set()
+
+    def _stop_requested(self) -> bool:
+        flag = self._sigterm.is_set()
+        if _world() > 1:
+            # every rank must agree, or one would enter the save collective alone
+            t = torch.tensor([int(flag)], device=_collective_device())
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = bool(t.item())
+        return flag
+
+    # saving -----------------------------------------------------------------------
+    def save(self, state: TrainState) -> Path:
+        """Save now (a collective under N processes); records time and size."""
+        t0 = time.perf_counter()
+        path = save(state, self.directory, keep=self.keep, checksum=self.checksum, save_ref=self.save_ref)
+        self.last_save_seconds = time.perf_counter() - t0
+        self.last_saved_step = state.step
+        self.last_save_bytes = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) if path.is_dir() else None
+        return path
+
+    def maybe_save(self, state: TrainState) -> Path | None:
+        """Call after every step: saves every ``every`` steps, and on SIGTERM saves then exits."""
+        if self._stop_requested():
+            path = self.save(state) if self.last_saved_step != state.step else latest(self.directory)
+            self.close()
+            raise Preempted(str(path))
+        if self.every and state.step % self.every == 0 and state.step != self.last_saved_step:
+            return self.save(state)
+        return None
+
+    # loading ----------------------------------------------------------------------
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        return latest(self.directory)
+
+    def restore(self, template: TrainState, path: str | os.PathLike | None = None) -> TrainState:
+        """Load ``path`` (default: the newest complete checkpoint) into ``template``."""
+        if path is None:
+            if not self.directory.is_dir():
+                raise CheckpointNotFoundError(f"checkpoint directory {str(self.directory)!r} does not exist; nothing to restore (use resume(state, 'auto') to start fresh)")
+            path = self.latest()
+            if path is None:
+                raise CheckpointNotFoundError(f"no complete checkpoint in {str(self.directory)!r}; nothing to restore (use resume(state, 'auto') to start fresh)")
+        state = load(template, path, checksum=self.checksum, load_ref=self.save_ref)
+        self.last_saved_step = state.step
+        return state
+
+    def resume(self, template: TrainState, how: str | os.PathLike | None = "auto") -> TrainState:
+        """``"auto"``: restore the newest complete checkpoint, or return ``template`` when there is
+        none; a path: restore that checkpoint (see :func:`resolve`); None/"never": ``template``."""
+        if how is None or how is False or how == "never":
+            return template
+        if how == "auto":
+            return self.restore(template) if self.latest() is not None else template
+        return self.restore(template, resolve(how))
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def checkpoint_bytes(path: str | os.PathLike) -> int:
+    """Total size of a checkpoint directory's files."""
+    return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+
+
+__all__ = [
+    "Checkpointer", "save", "load", "latest", "list_checkpoints", "resolve", "verify", "prune", "cleanup",
+    "step_dir_name", "config_hash", "checkpoint_bytes", "CheckpointError", "CheckpointNotFoundError",
+    "CheckpointMismatchError", "CheckpointCorruptError", "Preempted",
+]
