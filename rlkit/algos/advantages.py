@@ -115,8 +115,8 @@ class _Groups:
     ``inverse (b)`` maps each row to a dense group slot ``0..G-1``; ``count (G)`` is the group size.
     """
 
-    def __init__(self, group: torch.Tensor):
-        _, self.inverse = torch.unique(group, return_inverse=True)
+    def __init__(self, group: torch.Tensor, device: torch.device):
+        _, self.inverse = torch.unique(group.to(device), return_inverse=True)
         self.size = int(self.inverse.max()) + 1 if self.inverse.numel() else 0
         self.count = torch.bincount(self.inverse, minlength=self.size).to(torch.float64)
 
@@ -199,7 +199,7 @@ def _grpo(token_rewards, response_mask, group, epsilon, norm_by_std, name):
     _require("group", group, name, "give each row its prompt id (batch field 'group')")
     _check_tokens(token_rewards, response_mask, group=group)
     scores = _sequence_scores(token_rewards, response_mask)
-    groups = _Groups(group)
+    groups = _Groups(group, token_rewards.device)
     centred = scores.to(torch.float64) - groups.mean(scores)[groups.inverse]
     if norm_by_std:
         centred = centred / (groups.std(scores)[groups.inverse] + epsilon)
@@ -276,7 +276,7 @@ def rloo(
     _require("group", group, "rloo", "give each row its prompt id (batch field 'group')")
     _check_tokens(token_rewards, response_mask, group=group)
     scores = _sequence_scores(token_rewards, response_mask)
-    groups = _Groups(group)
+    groups = _Groups(group, token_rewards.device)
     n = groups.count[groups.inverse]
     s = scores.to(torch.float64)
     mean = (groups.sum(scores) / groups.count)[groups.inverse]
@@ -310,7 +310,7 @@ def opo(
     _check_tokens(token_rewards, response_mask, group=group)
     scores = _sequence_scores(token_rewards, response_mask)
     lengths = response_mask.bool().sum(dim=-1).to(torch.float64)
-    groups = _Groups(group)
+    groups = _Groups(group, token_rewards.device)
     weighted = groups.sum(lengths * scores.to(torch.float64))
     total = groups.sum(lengths)
     baseline = torch.where((groups.count > 1) & (total > 0), weighted / total.clamp(min=1e-300), 0.0)
@@ -347,7 +347,7 @@ def gpg(
     scores = _sequence_scores(token_rewards, response_mask)
     b = scores.shape[0]
     alpha = b / torch.count_nonzero(scores).clamp(min=1).to(torch.float64)
-    groups = _Groups(group)
+    groups = _Groups(group, token_rewards.device)
     adv = alpha * (scores.to(torch.float64) - groups.mean(scores)[groups.inverse]) / f_norm
     out = _broadcast(adv, response_mask, token_rewards.dtype)
     return out, out.clone()
@@ -416,7 +416,7 @@ def reinforce_plus_plus_baseline(
     _check_tokens(token_rewards, response_mask, group=group)
     mask = response_mask.bool()
     scores = _sequence_scores(token_rewards, response_mask)
-    groups = _Groups(group)
+    groups = _Groups(group, token_rewards.device)
     centred = scores.to(torch.float64) - groups.mean(scores)[groups.inverse]
     tiled = _broadcast(centred, mask, token_rewards.dtype)
     adv = torch.where(mask, masked_whiten(tiled, mask), 0.0)

@@ -39,7 +39,6 @@ def ref_ppo_clip(logp, old, adv, mask, agg, clip_ratio=0.2, clip_ratio_low=None,
     low = clip_ratio if clip_ratio_low is None else clip_ratio_low
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     b, t = logp.shape
-    loss = torch.zeros(b, t, dtype=F64)
     loss = [[None] * t for _ in range(b)]
     clip, lower, kl = torch.zeros(b, t), torch.zeros(b, t), torch.zeros(b, t, dtype=F64)
     for i in range(b):
