@@ -221,8 +221,8 @@ def resolve(path: str | os.PathLike) -> Path:
         )
     if not p.is_dir():
         raise CheckpointNotFoundError(f"checkpoint path {str(p)!r} is a file; give a step_* checkpoint directory or its parent")
-    if (p / MARKER).is_file() or _FINAL.match(p.name):
-        return p
+    if (p / MARKER).is_file() or (p / ".metadata").is_file() or _FINAL.match(p.name) or _GARBAGE.match(p.name):
+        return p  # a checkpoint directory, complete or not (load says which)
     for root in (p, p / "checkpoints"):
         newest = latest(root)
         if newest is not None:
@@ -385,7 +385,7 @@ def _fsync_dir(path: Path) -> None:
 
 def _write_json(path: Path, obj: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, sort_keys=True, default=str)
+        json.dump(obj, f, indent=1, default=str)  # insertion order: parameters as in the model
         f.flush()
         os.fsync(f.fileno())
 

@@ -1,0 +1,247 @@
+"""rlkit.checkpoint: round trip, atomicity under crashes, keep-last-N, SIGTERM, and clear errors."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import rlkit as rk
+from rlkit import checkpoint as ck
+from rlkit.models import tiny
+from rlkit.state import DonatedStateError
+
+
+def _state(char_tok, *, hidden=32, seed=0, ref=True, spec=None):
+    model = tiny(char_tok, hidden_size=hidden, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, seed=seed)
+    spec = spec or rk.optim.adamw(lr=1e-2, warmup_steps=2, total_steps=10, schedule="cosine")
+    return rk.init(model, spec, tokenizer=char_tok, ref="copy" if ref else None, seed=7)
+
+
+def _fake_step(state, k: int = 1):
+    """``k`` AdamW steps on a made-up loss, so the optimizer and schedule have state to save."""
+    for _ in range(k):
+        state.optimizer.zero_grad()
+        loss = sum((p.float() ** 2).sum() for p in state.actor.parameters())
+        loss.backward()
+        state.optimizer.step()
+        state.scheduler.step()
+        state = state.replace(step=state.step + 1, policy_version=state.policy_version + 1, data_position=state.data_position + 1)
+    return state
+
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_same_optimizer(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys() and sa["state"]
+    for i in sa["state"]:
+        for name, value in sa["state"][i].items():
+            assert torch.equal(value, sb["state"][i][name]), (i, name)
+
+
+def test_round_trip_restores_everything_bit_for_bit(tmp_path, char_tok):
+    state = _fake_step(_state(char_tok), 3)
+    state = state.replace(extras={**state.extras, "kl_coef": 0.123, "note": [1, "a"]})
+    random.seed(11)
+    np.random.seed(12)
+    torch.manual_seed(13)
+    rng_before = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    random.seed(11)
+    np.random.seed(12)
+    torch.manual_seed(13)
+    path = ck.save(state, tmp_path)
+    assert path.name == "step_000003" and (path / ck.MARKER).is_file()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+    # a different random init everywhere, and advanced global RNGs: all of it must be overwritten
+    template = _state(char_tok, seed=1)
+    assert not torch.equal(template.actor.model.embed_tokens.weight, state.actor.model.embed_tokens.weight)
+    random.random(), np.random.rand(), torch.rand(5)
+    restored = ck.load(template, path)
+
+    assert (restored.step, restored.policy_version, restored.data_position, restored.seed) == (3, 3, 3, 7)
+    assert restored.extras == {"kl_coef": 0.123, "note": [1, "a"]}
+    for role in ("actor", "ref"):
+        mine, theirs = _params(getattr(restored, role)), _params(getattr(state, role))
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine), role
+    _assert_same_optimizer(restored.optimizer, state.optimizer)
+    assert restored.lr == state.lr and restored.scheduler.state_dict() == state.scheduler.state_dict()
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == rng_before
+    # the template aliased the loaded weights with step 0: it is donated, not silently stale
+    with pytest.raises(DonatedStateError, match="rlkit.checkpoint.load"):
+        template.actor
+
+
+def test_meta_records_versions_shapes_and_config_hash(tmp_path, char_tok):
+    state = _state(char_tok)
+    path = ck.save(state, tmp_path, step=5)
+    meta = json.loads((path / ck.META).read_text())
+    assert meta["step"] == 5 and meta["world_size"] == 1 and meta["rlkit_version"] == rk.__version__
+    actor = meta["models"]["actor"]
+    assert actor["parameters"]["model.embed_tokens.weight"] == [len(char_tok), 32]
+    assert actor["config_hash"] == ck.config_hash(actor["config"]) and set(meta["models"]) == {"actor", "ref"}
+    manifest = json.loads((path / ck.MARKER).read_text())
+    assert set(manifest["files"]) == {p.name for p in path.iterdir() if p.name != ck.MARKER}
+    assert all(len(f["sha256"]) == 64 and f["bytes"] == (path / n).stat().st_size for n, f in manifest["files"].items())
+
+
+def test_save_before_first_step_leaves_optimizer_untouched(tmp_path, char_tok):
+    # DCP's get_state_dict initialises an empty optimizer with a zero-lr step (AdamW step=1),
+    # which would change the bias correction of the run's first real step
+    state = _state(char_tok, ref=False)
+    path = ck.save(state, tmp_path)
+    assert len(state.optimizer.state) == 0
+    restored = ck.load(_fake_step(_state(char_tok, seed=1, ref=False), 2), path)
+    assert len(restored.optimizer.state) == 0 and restored.step == 0
+    assert restored.lr == state.lr and restored.scheduler.state_dict() == state.scheduler.state_dict()
+    a, b = _fake_step(state, 2), _fake_step(restored, 2)
+    assert all(torch.equal(x, y) for x, y in zip(a.actor.parameters(), b.actor.parameters()))
+
+
+def test_writer_failure_keeps_previous_checkpoint(tmp_path, char_tok, monkeypatch):
+    state = _fake_step(_state(char_tok, ref=False))
+    good = ck.save(state, tmp_path)
+    state = _fake_step(state)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ck, "_write_marker", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        ck.save(state, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [good.name]
+    assert ck.latest(tmp_path) == good
+    assert ck.load(_state(char_tok, seed=1, ref=False), good).step == 1
+
+
+def test_kill9_during_save_leaves_previous_checkpoint_loadable(tmp_path, char_tok):
+    # a real SIGKILL: no exception handler runs, the half-written directory stays behind
+    script = textwrap.dedent(f"""
+        import os, signal, torch
+        import rlkit as rk
+        from rlkit import checkpoint as ck
+        from rlkit.models import tiny
+        from rlkit.models.tokenizers import char_tokenizer
+        tok = char_tokenizer({"0123456789+-*= abc"!r})
+        model = tiny(tok, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, seed=0)
+        state = rk.init(model, rk.optim.adamw(lr=1e-2, warmup_steps=2, total_steps=10, schedule="cosine"), tokenizer=tok, seed=7)
+        ck.save(state.replace(step=1), {str(tmp_path)!r})
+        def die(*a, **k):
+            os.kill(os.getpid(), signal.SIGKILL)
+        ck._write_marker = die  # after the tensors and meta.json are on disk, before COMPLETE
+        ck.save(state.replace(step=2), {str(tmp_path)!r})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith("step_000002.tmp-")]
+    assert len(leftovers) == 1 and (leftovers[0] / "__0_0.distcp").is_file()
+    assert ck.latest(tmp_path) == tmp_path / "step_000001"
+    with pytest.raises(ck.CheckpointCorruptError, match="no COMPLETE marker: its save was interrupted"):
+        ck.load(_state(char_tok, ref=False), leftovers[0])
+    restored = ck.load(_state(char_tok, seed=1, ref=False), ck.latest(tmp_path))
+    assert restored.step == 1
+    ck.Checkpointer(tmp_path, save_on_sigterm=False)  # cleans up leftovers of interrupted saves
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"]
+
+
+def test_keep_last_n_and_marker_less_directories(tmp_path, char_tok):
+    state = _state(char_tok, ref=False)
+    fake = tmp_path / "step_000099"  # looks newest but has no COMPLETE: never loaded
+    fake.mkdir()
+    (fake / "__0_0.distcp").write_bytes(b"partial")
+    with ck.Checkpointer(tmp_path, every=2, keep=3, save_on_sigterm=False) as saver:
+        assert not fake.exists()
+        fake.mkdir()
+        assert saver.latest() is None
+        for step in range(1, 12):
+            saver.maybe_save(state.replace(step=step))
+        assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [6, 8, 10]
+        assert saver.latest() == tmp_path / "step_000010"
+        assert saver.last_save_bytes == ck.checkpoint_bytes(tmp_path / "step_000010") > 0
+    # keep=None keeps all; saving a step again replaces it
+    again = ck.save(state.replace(step=8, data_position=42), tmp_path)
+    assert ck.load(_state(char_tok, ref=False), again).data_position == 42
+    assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [6, 8, 10]
+
+
+def test_sigterm_saves_at_the_next_step_boundary_then_exits(tmp_path, char_tok):
+    state = _state(char_tok, ref=False).replace(step=3)
+    before = signal.getsignal(signal.SIGTERM)
+    saver = ck.Checkpointer(tmp_path, every=100)
+    try:
+        assert saver.maybe_save(state) is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert saver.preempted  # the handler only sets a flag: the step in flight finishes
+        with pytest.raises(ck.Preempted) as info:
+            saver.maybe_save(state.replace(step=4))
+        assert info.value.code == 143 and info.value.path.endswith("step_000004")
+        assert ck.latest(tmp_path) == tmp_path / "step_000004"
+    finally:
+        saver.close()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_resume_auto_and_missing_checkpoints(tmp_path, char_tok):
+    saver = ck.Checkpointer(tmp_path / "run" / "checkpoints", save_on_sigterm=False)
+    fresh = _state(char_tok, ref=False)
+    assert saver.resume(fresh, "auto") is fresh  # nothing saved yet: start fresh
+    with pytest.raises(ck.CheckpointNotFoundError, match="no complete checkpoint in"):
+        saver.restore(fresh)
+    missing = tmp_path / "nope"
+    with pytest.raises(ck.CheckpointNotFoundError, match=f"checkpoint path '{missing}' does not exist"):
+        ck.load(fresh, missing)
+    saver.save(_fake_step(fresh, 2))
+    # a run directory, its checkpoints folder and the step folder all resolve to the checkpoint
+    for where in (tmp_path / "run", tmp_path / "run" / "checkpoints", tmp_path / "run" / "checkpoints" / "step_000002"):
+        assert ck.resolve(where) == tmp_path / "run" / "checkpoints" / "step_000002"
+    assert saver.resume(_state(char_tok, seed=3, ref=False), "auto").step == 2
+
+
+def test_checkpoint_from_another_model_names_parameter_and_shapes(tmp_path, char_tok):
+    path = ck.save(_state(char_tok, hidden=32, ref=False), tmp_path)
+    with pytest.raises(ck.CheckpointMismatchError) as info:
+        ck.load(_state(char_tok, hidden=48, ref=False), path)
+    msg = str(info.value)
+    v = len(char_tok)
+    assert f"parameter actor.model.embed_tokens.weight has shape ({v}, 32) in the checkpoint but ({v}, 48) in the model" in msg
+    assert "hidden_size=32" in msg and "Build the model with the checkpoint's architecture" in msg
+    with pytest.raises(ck.CheckpointMismatchError, match="the state has a reference model but checkpoint .* does not"):
+        ck.load(_state(char_tok, ref=True), path)
+    template = _state(char_tok, ref=False)
+    deeper = tiny(char_tok, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(ck.CheckpointMismatchError, match=r"parameter actor\.model\.layers\.1\.\S+ \(shape \(\d+(, \d+)*\)\) of the model is missing from the checkpoint"):
+        ck.load(rk.init(deeper, rk.optim.adamw(lr=1e-2), tokenizer=char_tok), path)
+    assert not template.is_donated  # a failed load leaves the template usable
+
+
+def test_truncated_or_corrupted_checkpoint_names_file_and_previous(tmp_path, char_tok):
+    state = _fake_step(_state(char_tok, ref=False))
+    first = ck.save(state, tmp_path)
+    second = ck.save(_fake_step(state), tmp_path)
+    data = second / "__0_0.distcp"
+    blob = data.read_bytes()
+    data.write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(ck.CheckpointCorruptError) as info:
+        ck.load(_state(char_tok, ref=False), second)
+    msg = str(info.value)
+    assert f"file __0_0.distcp has {len(blob) // 2} bytes but the manifest says {len(blob)} (truncated" in msg
+    assert f"resume from the previous checkpoint instead ({first}" in msg
+    # same size, one flipped byte: only the checksum can tell
+    data.write_bytes(blob[:100] + bytes([blob[100] ^ 0xFF]) + blob[101:])
+    with pytest.raises(ck.CheckpointCorruptError, match="file __0_0.distcp fails its sha256 checksum"):
+        ck.load(_state(char_tok, ref=False), second)
+    (first / ck.MARKER).write_text("{not json")
+    with pytest.raises(ck.CheckpointCorruptError, match="file COMPLETE .* is corrupted .* there is no older checkpoint"):
+        ck.load(_state(char_tok, ref=False), first)
