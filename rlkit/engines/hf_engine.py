@@ -163,8 +163,8 @@ class HFEngine:
             truncated=~stopped,
             prompt_index=torch.arange(len(prompt_ids), device=device).repeat_interleave(params.n),
             metrics={
-                "rollout/seconds": seconds,
-                "rollout/tokens": float(generated),
-                "rollout/tokens_per_second": generated / max(seconds, 1e-9),
+                "seconds": seconds,
+                "tokens": float(generated),
+                "tokens_per_second": generated / max(seconds, 1e-9),
             },
         )

@@ -420,10 +420,10 @@ class TorchEngine:
             truncated=~state.finished,
             prompt_index=torch.arange(len(prompt_ids), device=self.device).repeat_interleave(params.n),
             metrics={
-                "rollout/seconds": seconds,
-                "rollout/prefill_seconds": prefill_seconds,
-                "rollout/tokens": float(generated),
-                "rollout/tokens_per_second": generated / max(seconds, 1e-9),
-                "rollout/decode_steps": float(done),
+                "seconds": seconds,
+                "prefill_seconds": prefill_seconds,
+                "tokens": float(generated),
+                "tokens_per_second": generated / max(seconds, 1e-9),
+                "decode_steps": float(done),
             },
         )
