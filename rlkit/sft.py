@@ -56,7 +56,7 @@ def warmup(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        metrics = {"sft/loss": float(loss), "sft/lr": scheduler.get_last_lr()[0]}
+        metrics = {"sft/loss": float(loss.detach()), "sft/lr": scheduler.get_last_lr()[0]}
         history.append(metrics)
         if on_step is not None:
             on_step(step, metrics)

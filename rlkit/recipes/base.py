@@ -39,7 +39,7 @@ class Recipe:
     top_p: float = 1.0
     loss: str | Callable = "ppo_clip"
     loss_kw: dict[str, Any] = field(default_factory=dict)
-    agg: str = "token-mean"
+    agg: str | None = None
     kl: tuple | None = None
     entropy_coef: float = 0.0
     mini_batch_size: int | None = None

@@ -41,7 +41,7 @@ def keep_informative_groups(batch):
 @dataclass(frozen=True)
 class DAPO(Recipe):
     loss_kw: dict[str, Any] = field(default_factory=lambda: {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28})
-    agg: str = "token-mean"
+    agg: str | None = "token-mean"  # DAPO's token-level policy-gradient loss
     overlong_buffer: int = 4
     overlong_factor: float = 1.0
     max_attempts: int = 3

@@ -47,7 +47,9 @@ def _resolve_loss(loss: LossSpec, loss_kw: Mapping[str, Any] | None):
         unknown = set(kw) - set(params)
         if unknown:
             raise TypeError(f"policy loss {getattr(fn, '__name__', loss)!r} has no option(s) {sorted(unknown)}; its options: {[n for n in params if n not in ('logprobs', 'old_logprobs', 'advantages', 'response_mask')]}")
-    return fn, kw, "generator" in params
+    accepts_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    accepted = None if accepts_all else set(params)
+    return fn, kw, "generator" in params, accepted
 
 
 def _resolve_kl(kl) -> tuple[str | Callable | None, float]:
@@ -91,7 +93,7 @@ def update(
     *,
     loss: LossSpec = "ppo_clip",
     loss_kw: Mapping[str, Any] | None = None,
-    agg: str = "token-mean",
+    agg: str | None = None,
     kl: tuple | float | None = None,
     entropy_coef: float = 0.0,
     temperature: float = 1.0,
@@ -110,7 +112,8 @@ def update(
         loss: policy loss name (``rlkit.algos.POLICY_LOSSES``), callable, or ``(name, kwargs)``.
         loss_kw: hyperparameters of the loss (``clip_ratio_high=0.28`` for DAPO, ...).
         agg: loss aggregation mode ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-            "seq-mean-token-sum-norm").
+            "seq-mean-token-sum-norm"); None uses the loss's own default (token-mean, except
+            GSPO's seq-mean-token-mean), and token-mean for the KL and entropy terms.
         kl: ``(mode, coef)`` KL-to-reference penalty in the loss, e.g. ``("low_var_kl", 1e-3)``;
             uses ``batch["ref_logprobs"]`` or computes it with ``state.ref``.
         entropy_coef: entropy bonus coefficient.
@@ -133,7 +136,7 @@ def update(
         raise BatchError("batch has neither 'old_logprobs' nor 'logprobs'; batches from rk.rollout carry logprobs, or call rk.transforms.compute_old_logprobs(state, batch)")
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
-    loss_fn, loss_kw, wants_generator = _resolve_loss(loss, loss_kw)
+    loss_fn, loss_kw, wants_generator, loss_accepts = _resolve_loss(loss, loss_kw)
     kl_mode, kl_coef = _resolve_kl(kl)
     if kl_coef and "ref_logprobs" not in keys:
         from rlkit.transforms.forward import compute_ref_logprobs
@@ -146,6 +149,9 @@ def update(
         batch = compute_values(state, batch, micro_batch_size=micro_batch_size)
 
     b = batch.batch_size[0]
+    horizon = batch["response_mask"].shape[-1]
+    term_agg = agg or "token-mean"
+    agg_kw = {} if agg is None else {"agg": agg}
     mini, micro = _check_sizes(b, mini_batch_size, micro_batch_size)
     actor, optimizer = state.actor, state.optimizer
     device = next(actor.parameters()).device
@@ -174,7 +180,8 @@ def update(
             mini_batch = batch[mb_rows]
             mask_all = mini_batch["response_mask"]
             num_tokens = _global_sum(mask_all.sum().to(device, torch.float32), state)
-            num_seqs = _global_sum(torch.tensor(float(mask_all.shape[0]), device=device), state)
+            # rows without any valid token do not count as sequences (verl's seq-mean-* default)
+            num_seqs = _global_sum((mask_all.sum(-1) > 0).sum().to(device, torch.float32), state)
             optimizer.zero_grad(set_to_none=True)
             if train_critic:
                 state.critic_optimizer.zero_grad(set_to_none=True)
@@ -182,24 +189,28 @@ def update(
                 mb = mini_batch[u0 : u0 + micro].to(device)
                 mask = mb["response_mask"]
                 frac = float(mask.sum()) / max(1.0, float(num_tokens))
-                norm = dict(num_tokens=num_tokens, num_seqs=num_seqs)
+                norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
                 logprobs, entropy = response_logprobs(
                     actor, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask,
                     temperature=temperature, with_entropy=True,
                 )
                 extra = {"generator": state.rng("loss", epoch, m0, u0, device=device)} if wants_generator else {}
-                pg_loss, pg_metrics = loss_fn(logprobs, mb[old_key], mb["advantages"], mask, agg=agg, **norm, **loss_kw, **extra)
+                # a user's loss receives only the normalisers it declares
+                call_kw = {**agg_kw, **norm}
+                if loss_accepts is not None:
+                    call_kw = {k: v for k, v in call_kw.items() if k in loss_accepts}
+                pg_loss, pg_metrics = loss_fn(logprobs, mb[old_key], mb["advantages"], mask, **call_kw, **loss_kw, **extra)
                 total = pg_loss
                 record("actor/pg_loss", pg_loss, 1.0)
                 for k, v in pg_metrics.items():
                     record(f"actor/{k}", v, frac)
-                ent = aggregate(entropy, mask, agg, **norm)
+                ent = aggregate(entropy, mask, term_agg, **norm)
                 record("actor/entropy", ent, 1.0)
                 if entropy_coef:
                     total = total - entropy_coef * ent
                 if kl_coef:
                     kl_mat = kl_penalty(logprobs, mb["ref_logprobs"], kl_mode)
-                    kl_loss = aggregate(kl_mat, mask, agg, **norm)
+                    kl_loss = aggregate(kl_mat, mask, term_agg, **norm)
                     total = total + kl_coef * kl_loss
                     record("actor/kl_loss", kl_loss, 1.0)
                 if "logprobs" in keys and epoch == 0 and m0 == 0:
@@ -210,7 +221,7 @@ def update(
                 (total * grad_scale).backward()
                 if train_critic:
                     values = values_for_response(state.critic, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask)
-                    vf_loss, vf_metrics = value_loss(values, mb["values"], mb["returns"], mask, cliprange_value=value_clip, agg=agg, **norm)
+                    vf_loss, vf_metrics = value_loss(values, mb["values"], mb["returns"], mask, cliprange_value=value_clip, agg=term_agg, **norm)
                     (critic_coef * vf_loss * grad_scale).backward()
                     record("critic/vf_loss", vf_loss, 1.0)
                     for k, v in vf_metrics.items():
