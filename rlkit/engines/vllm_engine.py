@@ -58,6 +58,9 @@ __all__ = ["VLLMEngine", "StaleEngineError", "trainer_logprobs", "probe_sequence
 #: default bytes per ``reload_weights`` call (a decoder layer larger than this goes alone)
 DEFAULT_BUCKET_BYTES = 512 << 20
 
+#: KV cache on CPU when none is given (vLLM's own default takes 90% of the machine's memory)
+DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
+
 #: default ``check_sync`` tolerance on the largest |engine - trainer| log-prob gap, per dtype
 DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.05}
 
@@ -211,7 +214,8 @@ class VLLMEngine:
         tensor_parallel_size: vLLM's tensor parallelism over GPUs (the plan's rollout layout).
         gpu_memory_utilization: share of GPU memory vLLM may take (weights + KV cache);
             ignored on CPU, where ``kv_cache_bytes`` sizes the KV cache.
-        kv_cache_bytes: KV-cache size in bytes (vLLM's ``kv_cache_memory_bytes``); None: vLLM's default.
+        kv_cache_bytes: KV-cache size in bytes (vLLM's ``kv_cache_memory_bytes``); None: vLLM's
+            default on GPU (from ``gpu_memory_utilization``), 256 MiB on CPU.
         max_model_len: longest prompt + response; None: the model's context.
         enforce_eager: None = True on CPU (no compile step), False on GPU (CUDA graphs).
         sleep_mode: enable vLLM's sleep mode (GPU only); :meth:`sleep` / :meth:`wake_up`.
@@ -312,6 +316,9 @@ class VLLMEngine:
         )
         if self.on_gpu:
             kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
+        if kv_cache_bytes is None and not self.on_gpu:
+            # vLLM's CPU default reserves gpu_memory_utilization (0.9) of the machine's memory
+            kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         if max_model_len is not None:
