@@ -125,17 +125,20 @@ def test_writer_failure_keeps_previous_checkpoint(tmp_path, char_tok, monkeypatc
     assert ck.load(_state(char_tok, seed=1, ref=False), good).step == 1
 
 
-def test_kill9_during_save_leaves_previous_checkpoint_loadable(tmp_path, char_tok):
+def _linear_state(seed=0):
+    torch.manual_seed(seed)
+    return rk.init(torch.nn.Linear(4, 3), rk.optim.adamw(lr=1e-2), seed=7)
+
+
+def test_kill9_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     # a real SIGKILL: no exception handler runs, the half-written directory stays behind
+    # (a plain torch model keeps the child process light: no transformers import)
     script = textwrap.dedent(f"""
         import os, signal, torch
         import rlkit as rk
         from rlkit import checkpoint as ck
-        from rlkit.models import tiny
-        from rlkit.models.tokenizers import char_tokenizer
-        tok = char_tokenizer({"0123456789+-*= abc"!r})
-        model = tiny(tok, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, seed=0)
-        state = rk.init(model, rk.optim.adamw(lr=1e-2, warmup_steps=2, total_steps=10, schedule="cosine"), tokenizer=tok, seed=7)
+        torch.manual_seed(0)
+        state = rk.init(torch.nn.Linear(4, 3), rk.optim.adamw(lr=1e-2), seed=7)
         ck.save(state.replace(step=1), {str(tmp_path)!r})
         def die(*a, **k):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -146,12 +149,13 @@ def test_kill9_during_save_leaves_previous_checkpoint_loadable(tmp_path, char_to
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     leftovers = [p for p in tmp_path.iterdir() if p.name.startswith("step_000002.tmp-")]
-    assert len(leftovers) == 1 and (leftovers[0] / "__0_0.distcp").is_file()
+    assert len(leftovers) == 1 and {"__0_0.distcp", ".metadata", "meta.json"} <= {p.name for p in leftovers[0].iterdir()}
     assert ck.latest(tmp_path) == tmp_path / "step_000001"
     with pytest.raises(ck.CheckpointCorruptError, match="no COMPLETE marker: its save was interrupted"):
-        ck.load(_state(char_tok, ref=False), leftovers[0])
-    restored = ck.load(_state(char_tok, seed=1, ref=False), ck.latest(tmp_path))
-    assert restored.step == 1
+        ck.load(_linear_state(), leftovers[0])
+    restored = ck.load(_linear_state(seed=1), ck.latest(tmp_path))
+    torch.manual_seed(0)
+    assert restored.step == 1 and torch.equal(restored.actor.weight, torch.nn.Linear(4, 3).weight)
     ck.Checkpointer(tmp_path, save_on_sigterm=False)  # cleans up leftovers of interrupted saves
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"]
 

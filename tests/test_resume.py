@@ -1,0 +1,131 @@
+"""Exact resume: N steps + save + restore into a fresh state + N steps == 2N uninterrupted steps.
+
+In-process through ``rlkit.loop.fit`` with the real GRPO recipe, and through the CLI with a real
+``kill -9`` of the training process and ``--resume auto``.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import rlkit as rk
+from rlkit import recipes
+from rlkit.checkpoint import Checkpointer, latest
+from rlkit.loop import fit
+from rlkit.models import tiny
+from rlkit.tasks import arithmetic
+
+N = 2
+BATCH = 4
+
+
+def digit_reward(completions, **kwargs):
+    """Dense shaped reward (a random tiny model never gets an exact match, so GRPO's advantages
+    would all be zero and nothing would train): digits in the answer, capped at 3."""
+    return [min(3, sum(ch.isdigit() for ch in c)) / 3 for c in completions]
+
+
+@pytest.fixture(scope="module")
+def task():
+    # 8 training prompts at batch 4: an epoch is N=2 steps, so the resume is at an epoch boundary
+    return arithmetic(n_train=2 * BATCH, n_test=4)
+
+
+def _build(task, model_seed=0):
+    model = tiny(task.tokenizer, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, seed=model_seed)
+    spec = rk.optim.adamw(lr=1e-2, warmup_steps=1, total_steps=2 * N, schedule="cosine", weight_decay=0.01)
+    return rk.init(model, spec, tokenizer=task.tokenizer, ref="copy", seed=5)
+
+
+def _recipe(task):
+    return recipes.get("grpo").with_(n=4, max_new_tokens=task.max_new_tokens, kl=("low_var_kl", 0.1))
+
+
+def test_resume_equals_uninterrupted_bit_for_bit(tmp_path, task):
+    recipe = _recipe(task)
+    initial = {k: v.clone() for k, v in _build(task).actor.state_dict().items()}
+    full, full_history = fit(_build(task), recipe, digit_reward, task.train, steps=2 * N, batch_size=BATCH)
+
+    saver = Checkpointer(tmp_path, every=N, keep=3, save_on_sigterm=False)
+    half, _ = fit(_build(task), recipe, digit_reward, task.train, steps=N, batch_size=BATCH, checkpointer=saver)
+    assert saver.latest() == tmp_path / "step_000002"
+    del half
+    # "a fresh process": a new model (another random init), optimizer, schedule and ref
+    template = _build(task, model_seed=1)
+    assert not torch.equal(template.actor.lm_head.weight, full.actor.lm_head.weight)
+    resumed = saver.restore(template)
+    assert (resumed.step, resumed.data_position) == (N, N) and N == len(task.train) // BATCH
+    resumed, resumed_history = fit(resumed, recipe, digit_reward, task.train, steps=2 * N, batch_size=BATCH, checkpointer=saver)
+
+    assert len(resumed_history) == N  # resuming at the epoch boundary trains the remaining steps
+    assert (resumed.step, resumed.policy_version, resumed.data_position) == (full.step, full.policy_version, full.data_position)
+    assert resumed.extras == full.extras
+    # the run really trained (non-zero advantages), so equality is not trivial
+    assert any(h["actor/grad_norm"] > 0 for h in full_history[N:])
+    final = full.actor.state_dict()
+    assert any(not torch.equal(initial[k], final[k]) for k in initial)
+    for role in ("actor", "ref"):
+        a, b = getattr(full, role).state_dict(), getattr(resumed, role).state_dict()
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"{role}.{k} differs after resume"
+    oa, ob = full.optimizer.state_dict(), resumed.optimizer.state_dict()
+    assert oa["param_groups"] == ob["param_groups"]
+    for i, moments in oa["state"].items():
+        for name, value in moments.items():
+            assert torch.equal(value, ob["state"][i][name]), (i, name)
+    assert resumed.lr == full.lr and resumed.scheduler.state_dict() == full.scheduler.state_dict()
+    for h_full, h_resumed in zip(full_history[N:], resumed_history):
+        for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/lr"):
+            assert h_full[key] == h_resumed[key], key
+    assert [p.name for p in sorted(tmp_path.iterdir())] == ["step_000002", "step_000004"]
+
+
+def _cli(out, *extra):
+    return [sys.executable, "-m", "rlkit.cli", "run", "arithmetic", "--out", str(out), "--algo", "ppo", "--kl", "0.01",
+            "--steps", "8", "--checkpoint-every", "2", "--sft-steps", "5", "--batch-size", "4", "--n", "4",
+            "--eval-every", "0", "--eval-size", "4", "--quiet", *extra]
+
+
+@pytest.mark.slow
+def test_cli_kill9_then_resume_auto_equals_uninterrupted(tmp_path):
+    from safetensors.torch import load_file
+
+    # one intra-op thread everywhere: the runs are compared bit for bit
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ref_out, run_out = tmp_path / "uninterrupted", tmp_path / "killed"
+    reference = subprocess.Popen(_cli(ref_out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    victim = subprocess.Popen(_cli(run_out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = run_out / "checkpoints" / "step_000002" / "COMPLETE"
+    deadline = time.monotonic() + 300
+    while not first.exists():
+        assert victim.poll() is None, "the run ended before its first checkpoint"
+        assert time.monotonic() < deadline, "no checkpoint after 300 s"
+        time.sleep(0.01)
+    victim.send_signal(signal.SIGKILL)
+    assert victim.wait(timeout=60) == -signal.SIGKILL
+    assert not (run_out / "model").exists(), "the run finished before the kill; nothing was resumed"
+    saved_at = int(latest(run_out / "checkpoints").name.removeprefix("step_"))
+    assert saved_at < 8
+
+    resumed = subprocess.run(_cli(run_out, "--resume", "auto", "--json"), env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _, ref_err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, ref_err[-3000:]
+    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 8 and summary["resumed_from"].endswith(f"step_{saved_at:06d}")
+    # the resumed process logged exactly the remaining steps (after whatever the victim logged)
+    steps = [json.loads(line)["step"] for line in (run_out / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-(8 - saved_at):] == list(range(saved_at + 1, 9))
+
+    a = load_file(str(ref_out / "model" / "model.safetensors"))
+    b = load_file(str(run_out / "model" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs between the uninterrupted and the resumed run"
