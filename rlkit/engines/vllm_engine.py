@@ -555,10 +555,10 @@ class VLLMEngine:
             logprobs=logprobs,
             truncated=truncated,
             prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
-            metrics={
-                "rollout/seconds": seconds,
-                "rollout/tokens": float(generated),
-                "rollout/tokens_per_second": generated / max(seconds, 1e-9),
+            metrics={  # unprefixed: rollout() adds "rollout/"
+                "seconds": seconds,
+                "tokens": float(generated),
+                "tokens_per_second": generated / max(seconds, 1e-9),
             },
         )
 
@@ -596,7 +596,7 @@ class VLLMEngine:
         forced on both sides. ``tol`` defaults by engine dtype (float32: 1e-3; bfloat16: 0.1;
         float16: 0.05): numerical noise between two implementations of the same weights is far
         below it, while one optimizer step the engine missed is usually far above it.
-        Returns ``{"sync/max_logprob_gap", "sync/mean_logprob_gap", "sync/check_seconds"}``.
+        Returns ``{"max_logprob_gap", "mean_logprob_gap", "check_seconds"}`` (unprefixed, as ``load_weights``).
         """
         start = time.perf_counter()
         if probe is None:
@@ -616,9 +616,9 @@ class VLLMEngine:
                 "rebuild the engine (VLLMEngine.from_model(model))."
             )
         return {
-            "sync/max_logprob_gap": worst,
-            "sync/mean_logprob_gap": float(gaps.mean()) if gaps.numel() else 0.0,
-            "sync/check_seconds": time.perf_counter() - start,
+            "max_logprob_gap": worst,
+            "mean_logprob_gap": float(gaps.mean()) if gaps.numel() else 0.0,
+            "check_seconds": time.perf_counter() - start,
         }
 
     # ------------------------------------------------------------------ weights
