@@ -1,0 +1,354 @@
+"""Start a job on many processes with torch.distributed.elastic (the engine behind torchrun).
+
+From Python or a notebook::
+
+    def train(steps):
+        rk.parallel.init_distributed()
+        for step in range(steps):
+            ...
+            rk.launch.emit({"step": step, "loss": loss})   # streams back to the caller
+        return final_metrics                               # rank 0's value is returned
+
+    result = rlkit.launch(train, 100, nproc_per_node=2, on_metrics=lambda rank, m: print(rank, m))
+
+``fn`` is shipped to the workers with cloudpickle through a module-level trampoline, so
+functions and closures defined in a notebook's ``__main__`` work; workers start with the
+``spawn`` method (safe inside Jupyter). Each worker appends its metrics as JSON lines to
+``<run_dir>/metrics/rank<R>.jsonl``; a thread in the caller tails those files and calls
+``on_metrics(rank, metrics)`` as lines arrive (default: print them). Worker stdout/stderr are
+echoed to the caller too, prefixed with the local rank. A worker's exception comes back as a
+:class:`WorkerError` carrying the worker's traceback text. When ``fn`` returns with a process
+group still initialised, the trampoline runs a barrier and destroys it.
+
+From the shell: ``rlkit launch --nproc-per-node N [--nnodes M --rdzv-endpoint HOST:PORT] script.py
+args...`` is torchrun (``torch.distributed.run``) with two defaults: ``--standalone`` for a
+single node without an endpoint, and ``--rdzv-backend c10d`` when an endpoint is given.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import numbers
+import os
+import re
+import sys
+import tempfile
+import threading
+import traceback
+import uuid
+from typing import Any, Callable
+
+RUN_DIR_ENV = "RLKIT_RUN_DIR"
+
+#: on_metrics(rank, metrics)
+MetricsCallback = Callable[[int, dict], None]
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed. ``rank``: the first failing global rank; ``worker_traceback``: its traceback text."""
+
+    def __init__(self, rank: int, worker_traceback: str, failures: dict[int, str] | None = None):
+        self.rank = rank
+        self.worker_traceback = worker_traceback
+        self.failures = failures or {rank: worker_traceback}
+        others = sorted(r for r in self.failures if r != rank)
+        also = f" (ranks {others} failed too)" if others else ""
+        super().__init__(f"worker rank {rank} failed{also}; its traceback:\n{worker_traceback}")
+
+
+# ---------------------------------------------------------------------------------------------
+# worker side
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (str, bool)) or value is None:
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:  # torch / numpy scalars
+        return _jsonable(value.item())
+    if hasattr(value, "tolist"):
+        return _jsonable(value.tolist())
+    return str(value)
+
+
+def emit(metrics: dict, **more: Any) -> None:
+    """Send ``metrics`` (a flat dict of numbers/strings; tensors become numbers) to the launching process.
+
+    Inside a :func:`launch` worker it appends one JSON line to this rank's metrics file, which the
+    caller streams to ``on_metrics``. Outside a launch it does nothing, so the same training
+    function runs unchanged in a plain notebook cell.
+    """
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    record = _jsonable({**metrics, **more})
+    path = os.path.join(run_dir, "metrics", f"rank{rank}.jsonl")
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _worker(payload: bytes, run_dir: str) -> tuple[int, bytes]:
+    """Trampoline run in every worker: unpickle ``(fn, args, kwargs)``, run it, report."""
+    import cloudpickle
+
+    os.environ[RUN_DIR_ENV] = run_dir
+    rank = int(os.environ.get("RANK", "0"))
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        # Without this every worker starts one thread per core and they oversubscribe the CPU.
+        local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    try:
+        fn, args, kwargs = cloudpickle.loads(payload)
+        result = fn(*args, **kwargs)
+    except BaseException:
+        text = traceback.format_exc()
+        path = os.path.join(run_dir, "errors", f"rank{rank}.txt")
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+        raise
+    _teardown_process_group()
+    return rank, cloudpickle.dumps(result)
+
+
+def _teardown_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from rlkit.parallel.mesh import shutdown
+
+        shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# caller side
+
+
+class _Tail(threading.Thread):
+    """Follows the metrics and log files of a run and hands complete lines on as they appear."""
+
+    def __init__(self, run_dir: str, on_metrics: MetricsCallback, echo_logs: bool, interval: float = 0.1):
+        super().__init__(daemon=True, name="rlkit-launch-tail")
+        self.run_dir = run_dir
+        self.on_metrics = on_metrics
+        self.echo_logs = echo_logs
+        self.interval = interval
+        self._offsets: dict[str, int] = {}
+        self._partial: dict[str, str] = {}
+        self._stop_event = threading.Event()
+        self.callback_error: BaseException | None = None
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            self.poll()
+        self.poll()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=10)
+
+    def _new_lines(self, path: str) -> list[str]:
+        try:
+            with open(path, "r", encoding="utf-8", errors="replace") as f:
+                f.seek(self._offsets.get(path, 0))
+                data = f.read()
+                self._offsets[path] = f.tell()
+        except FileNotFoundError:
+            return []
+        if not data:
+            return []
+        data = self._partial.pop(path, "") + data
+        lines = data.split("\n")
+        if lines[-1]:
+            self._partial[path] = lines[-1]
+        return lines[:-1]
+
+    def poll(self) -> None:
+        for path in sorted(glob.glob(os.path.join(self.run_dir, "metrics", "rank*.jsonl"))):
+            rank = int(re.search(r"rank(\d+)\.jsonl$", path).group(1))
+            for line in self._new_lines(path):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                try:
+                    self.on_metrics(rank, record)
+                except BaseException as e:  # a broken callback must not kill the run; report it at the end
+                    if self.callback_error is None:
+                        self.callback_error = e
+        if self.echo_logs:
+            for path in sorted(glob.glob(os.path.join(self.run_dir, "logs", "**", "std*.log"), recursive=True)):
+                local_rank = os.path.basename(os.path.dirname(path))
+                stream = sys.stderr if path.endswith("stderr.log") else sys.stdout
+                for line in self._new_lines(path):
+                    print(f"[{local_rank}] {line}", file=stream, flush=True)
+
+
+def print_metrics(rank: int, metrics: dict) -> None:
+    """Default ``on_metrics``: one line per record."""
+    parts = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()]
+    print(f"[rank {rank}] " + " ".join(parts), flush=True)
+
+
+def _free_endpoint() -> str:
+    # Port 0: the c10d rendezvous store binds a free port itself (as torchrun --standalone does).
+    return "127.0.0.1:0"
+
+
+def _parse_nnodes(nnodes: int | str) -> tuple[int, int]:
+    if isinstance(nnodes, int):
+        return nnodes, nnodes
+    lo, _, hi = str(nnodes).partition(":")
+    try:
+        return int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"launch: nnodes={nnodes!r}; give an int or 'MIN:MAX' such as '1:4'") from None
+
+
+def _read_errors(run_dir: str) -> dict[int, tuple[float, str]]:
+    out = {}
+    for path in glob.glob(os.path.join(run_dir, "errors", "rank*.txt")):
+        rank = int(re.search(r"rank(\d+)\.txt$", path).group(1))
+        with open(path, encoding="utf-8") as f:
+            out[rank] = (os.path.getmtime(path), f.read())
+    return out
+
+
+def launch(
+    fn: Callable,
+    *args: Any,
+    nproc_per_node: int = 2,
+    nnodes: int | str = 1,
+    rdzv_endpoint: str | None = None,
+    rdzv_backend: str = "c10d",
+    max_restarts: int = 0,
+    on_metrics: MetricsCallback | None = None,
+    run_dir: str | None = None,
+    run_id: str | None = None,
+    echo_logs: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` on ``nproc_per_node`` x ``nnodes`` processes; return rank 0's result.
+
+    - ``nproc_per_node``: workers on this machine (one per GPU on GPU machines).
+    - ``nnodes``: machines (an int, or ``"MIN:MAX"`` for an elastic range). With more than one,
+      call ``launch`` on every machine with the same ``rdzv_endpoint`` (``HOST:PORT`` of one of
+      them) and ``run_id``.
+    - ``rdzv_backend``: ``"c10d"`` (default, no extra service) or any torch elastic backend.
+    - ``max_restarts``: how many times the whole worker group is restarted after a failure.
+    - ``on_metrics(rank, metrics)``: called (in a background thread) for every :func:`emit` of
+      every worker on this machine, as it happens; default :func:`print_metrics`.
+    - ``run_dir``: where metrics, errors and worker logs go (default: a new temp directory).
+    - ``echo_logs``: echo worker stdout/stderr here (they are also kept under ``run_dir/logs``).
+
+    Workers see the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...); call
+    :func:`rlkit.parallel.init_distributed` inside ``fn``. Keywords not listed above go to ``fn``
+    (to pass one of these names to ``fn``, wrap it in ``functools.partial``). On a machine that
+    does not hold global rank 0 the return value is ``None``. A worker's exception is raised here
+    as :class:`WorkerError` with the worker's traceback text.
+    """
+    import cloudpickle
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if not callable(fn):
+        raise TypeError(f"launch: fn must be a callable, got {type(fn).__name__}")
+    if nproc_per_node < 1:
+        raise ValueError(f"launch: nproc_per_node={nproc_per_node}; it must be >= 1")
+    min_nodes, max_nodes = _parse_nnodes(nnodes)
+    if max_nodes > 1 and not rdzv_endpoint:
+        raise ValueError(
+            f"launch: nnodes={nnodes} needs rdzv_endpoint='HOST:PORT' (a reachable address of one of the machines, "
+            "the same on all of them)"
+        )
+    run_dir = os.path.abspath(run_dir or tempfile.mkdtemp(prefix="rlkit_run_"))
+    for sub in ("metrics", "errors", "logs"):
+        os.makedirs(os.path.join(run_dir, sub), exist_ok=True)
+    for stale in glob.glob(os.path.join(run_dir, "errors", "*")) + glob.glob(os.path.join(run_dir, "metrics", "*")):
+        os.remove(stale)  # a reused run_dir must not replay an old run's metrics or errors
+    payload = cloudpickle.dumps((fn, args, kwargs))
+    config = LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc_per_node,
+        run_id=run_id or (uuid.uuid4().hex if max_nodes == 1 else "rlkit"),
+        rdzv_endpoint=rdzv_endpoint or _free_endpoint(),
+        rdzv_backend=rdzv_backend,
+        max_restarts=max_restarts,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs"), redirects=Std.ALL if echo_logs else Std.NONE),
+    )
+    tail = _Tail(run_dir, on_metrics or print_metrics, echo_logs)
+    tail.start()
+    try:
+        results = elastic_launch(config, _worker)(payload, run_dir)
+    except ChildFailedError as e:
+        raise _worker_error(run_dir, e) from None
+    finally:
+        tail.stop()
+    if tail.callback_error is not None:
+        raise RuntimeError(f"launch: on_metrics raised {tail.callback_error!r}; the run itself finished") from tail.callback_error
+    by_rank = dict(results.values())
+    if 0 not in by_rank:
+        return None
+    return cloudpickle.loads(by_rank[0])
+
+
+def _worker_error(run_dir: str, error) -> WorkerError:
+    written = _read_errors(run_dir)
+    failures = {rank: text for rank, (_, text) in written.items()}
+    for rank, failure in getattr(error, "failures", {}).items():
+        if rank not in failures:
+            message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
+            failures[rank] = f"exit code {failure.exitcode} ({failure.signal_name()}): {message}"
+    if written:  # a Python exception is the root cause; processes killed afterwards are collateral
+        first = min(written, key=lambda r: written[r][0])
+    elif failures:
+        first = min(failures)
+    else:
+        return WorkerError(-1, str(error))
+    return WorkerError(first, failures[first], failures)
+
+
+# ---------------------------------------------------------------------------------------------
+# shell entry
+
+
+def torchrun_argv(argv: list[str]) -> list[str]:
+    """``rlkit launch`` arguments -> torchrun arguments (adds ``--standalone`` / ``--rdzv-backend c10d``)."""
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args(list(argv))
+    extra: list[str] = []
+    single_node = str(args.nnodes) in ("1", "1:1")
+    if single_node and not args.rdzv_endpoint and not args.standalone:
+        extra.append("--standalone")
+    if args.rdzv_endpoint and args.rdzv_backend == "static" and not single_node:
+        extra.append("--rdzv-backend=c10d")
+    return extra + list(argv)
+
+
+def main_launch(argv: list[str] | None = None) -> None:
+    """Entry of ``rlkit launch``: torchrun semantics, delegating to ``torch.distributed.run``."""
+    from torch.distributed.run import main as torchrun_main
+
+    torchrun_main(torchrun_argv(sys.argv[1:] if argv is None else list(argv)))
+
+
+if __name__ == "__main__":
+    main_launch()
