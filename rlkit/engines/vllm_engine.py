@@ -332,8 +332,15 @@ class VLLMEngine:
         threads = torch.get_num_threads()
         set_num_threads = torch.set_num_threads
         start = time.perf_counter()
-        with _preserved_rng():
-            self.llm = LLM(**kwargs)
+        try:
+            with _preserved_rng():
+                self.llm = LLM(**kwargs)
+        except BaseException:
+            if VLLMEngine._live == 0:  # leave the process as it was
+                for key in set(os.environ) - set(environ_before):
+                    del os.environ[key]
+                os.environ.update(environ_before)
+            raise
         VLLMEngine._live += 1
         for key in set(environ_before) | set(os.environ):
             if environ_before.get(key) != os.environ.get(key):

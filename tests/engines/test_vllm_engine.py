@@ -221,6 +221,13 @@ def test_prompt_longer_than_the_context_is_refused_clearly(tied):
         engine.generate([[1, VOCAB]], SamplingParams(max_new_tokens=4))
 
 
+def test_constructor_errors_name_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        VLLMEngine(tmp_path)
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        VLLMEngine.from_model(torch.nn.Linear(2, 2))
+
+
 # --------------------------------------------------------------------------- weights
 def test_weight_groups_keep_fused_layers_and_tied_embeddings_together():
     names = [
