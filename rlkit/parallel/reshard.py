@@ -465,8 +465,8 @@ def _all_gather_bucket(chunk, weights, src_index, n_src, group, device, report) 
             if hi > lo:
                 target[lo:hi].copy_(recv[s, offset : offset + (hi - lo) * rest].view(hi - lo, rest))
         offset += n
-    report.bytes += recv.numel() * recv.element_size()
-    report.bytes_sent += send.numel() * send.element_size()
+    report.bytes += sum(p.nbytes for p in chunk)  # payload; the chunk padding is not counted
+    report.bytes_sent += sum(p.local.numel() for p in chunk) * send.element_size()
     report.peak_buffer_bytes = max(report.peak_buffer_bytes, (send.numel() + recv.numel()) * send.element_size())
 
 

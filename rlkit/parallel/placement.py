@@ -1,0 +1,172 @@
+"""Placement is data: a mapping role -> DeviceMesh, and the data-parallel row split it implies.
+
+Roles: ``actor`` (trained policy), ``rollout`` (the actor's weights in generation layout),
+``ref``, ``critic``, ``reward``. Two roles on the same ranks are *colocated* (they take turns
+on the same processes; the weight sync between actor and rollout is local); on different ranks
+they are *split* and the actor's weights reach the rollout ranks by collectives
+(:func:`rlkit.parallel.reshard.split`). ``None`` as a mesh means "this one process" (the
+notebook case, where lowering is the identity).
+
+Batches: every data-parallel rank of a role works on :func:`shard_rows` of the global batch
+(whole GRPO groups stay together), and :func:`gather_rows` reassembles per-rank batches (e.g.
+rollouts from several generation replicas) into one global Batch in rank order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from rlkit.parallel.mesh import device_mesh, mesh_ranks, role_mesh, split_ranks, world
+from rlkit.parallel.reshard import Layout, replicated, split, tensor_parallel
+
+ROLES = ("actor", "rollout", "ref", "critic", "reward")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each role lives: ``meshes[role]`` is a DeviceMesh, or ``None`` for this single process."""
+
+    meshes: Mapping[str, DeviceMesh | None] = field(default_factory=dict)
+
+    def mesh(self, role: str) -> DeviceMesh | None:
+        if role not in self.meshes:
+            raise KeyError(f"placement has no role {role!r}; it places {sorted(self.meshes)}")
+        return self.meshes[role]
+
+    def ranks(self, role: str) -> tuple[int, ...]:
+        """Global ranks of ``role`` in mesh order."""
+        return tuple(mesh_ranks(self.mesh(role)))
+
+    def colocated(self, a: str, b: str) -> bool:
+        """True when both roles run on exactly the same ranks."""
+        return self.ranks(a) == self.ranks(b)
+
+    def here(self, role: str) -> bool:
+        """Whether this process takes part in ``role``."""
+        return world().rank in self.ranks(role)
+
+    def roles_here(self) -> list[str]:
+        return [role for role in self.meshes if self.here(role)]
+
+    def sync_layout(self, src: str = "actor", dst: str = "rollout", *, tp: int = 1, dtype: torch.dtype | None = None) -> Layout:
+        """The resharding from ``src``'s training layout to ``dst``'s generation layout."""
+        if self.colocated(src, dst):
+            return tensor_parallel(tp, dtype=dtype) if tp > 1 else replicated(dtype=dtype)
+        return split(self.ranks(src), self.ranks(dst), tp=tp, dtype=dtype)
+
+
+def local_placement(roles: Sequence[str] = ROLES) -> Placement:
+    """Every role in this one process (no torch.distributed): lowering is the identity."""
+    return Placement({role: None for role in roles})
+
+
+def colocated_placement(mesh: DeviceMesh | None = None, roles: Sequence[str] = ROLES) -> Placement:
+    """Every role on the same ranks (default: all ranks, one data-parallel dimension)."""
+    mesh = device_mesh() if mesh is None else mesh
+    return Placement({role: mesh for role in roles})
+
+
+def split_placement(
+    sizes: Mapping[str, int],
+    *,
+    share: Mapping[str, str] | None = None,
+) -> Placement:
+    """Disjoint rank groups per role: ``split_placement({"actor": 2, "rollout": 2})``.
+
+    ``share``: roles that live with another role instead of getting ranks of their own
+    (default: ``ref``, ``critic`` and ``reward`` share the actor's ranks). Collective: every rank
+    must call it (it creates one sub-mesh per group, in the same order everywhere).
+    """
+    share = {"ref": "actor", "critic": "actor", "reward": "actor"} if share is None else dict(share)
+    groups = split_ranks(sizes)
+    meshes: dict[str, DeviceMesh | None] = {role: role_mesh(ranks) for role, ranks in groups.items()}
+    for role, host in share.items():
+        if role in meshes:
+            continue
+        if host not in meshes:
+            raise ValueError(f"split_placement: role {role!r} shares {host!r}, which has no ranks; sizes={dict(sizes)}")
+        meshes[role] = meshes[host]
+    return Placement(meshes)
+
+
+def shard_rows(batch, mesh: DeviceMesh | None = None, *, group_size: int = 1):
+    """This rank's contiguous slice of a global batch: rows ``[r * b/n, (r+1) * b/n)``.
+
+    ``mesh``: the role's data-parallel mesh (``None`` = all ranks). ``group_size``: rows per
+    prompt group; each rank's slice must hold whole groups. Works on anything sliceable by rows
+    (a Batch/TensorDict or a tensor). Returns ``batch`` itself when there is one rank.
+    """
+    rank, size = _dp_rank_size(mesh)
+    b = batch.batch_size[0] if hasattr(batch, "batch_size") else len(batch)
+    if b % size:
+        raise ValueError(
+            f"shard_rows: the batch has {b} rows, not divisible by {size} data-parallel ranks; "
+            f"make the global batch a multiple of {size} (prompts x samples per prompt)"
+        )
+    per_rank = b // size
+    if group_size > 1 and per_rank % group_size:
+        raise ValueError(
+            f"shard_rows: each of {size} ranks would get {per_rank} rows, which splits groups of {group_size}; "
+            f"use a number of prompts divisible by {size}"
+        )
+    if size == 1:
+        return batch
+    return batch[rank * per_rank : (rank + 1) * per_rank]
+
+
+def _dp_rank_size(mesh: DeviceMesh | None) -> tuple[int, int]:
+    if mesh is not None:
+        ranks = mesh_ranks(mesh)
+        me = world().rank
+        if me not in ranks:
+            raise ValueError(f"this process (rank {me}) is not in the mesh over ranks {ranks}; only its members hold rows")
+        return ranks.index(me), len(ranks)
+    info = world()
+    return info.rank, info.world_size
+
+
+def gather_rows(batch, mesh: DeviceMesh | None = None):
+    """Concatenate every data-parallel rank's Batch (rank order) into one global Batch on all ranks.
+
+    Per-rank widths may differ: ``(b t)`` fields are right-padded and ``prompt_*`` fields
+    left-padded to the widest rank (with 0 / False, under a False mask). Non-tensor columns
+    follow their rows. Collective over ``mesh`` (default: all ranks); identity on one rank.
+    """
+    _, size = _dp_rank_size(mesh)
+    if size == 1:
+        return batch
+    group = mesh.get_group() if mesh is not None else None
+    parts: list = [None] * size
+    dist.all_gather_object(parts, batch.to("cpu"), group=group)
+    return _cat_padded(parts).to(batch.device) if batch.device is not None else _cat_padded(parts)
+
+
+def _cat_padded(parts: list):
+    import torch.nn.functional as F
+    from tensordict import TensorDict
+
+    first = parts[0]
+    out: dict = {}
+    for key in first.keys():
+        values = [p.get(key) for p in parts]
+        if isinstance(values[0], torch.Tensor):
+            if values[0].dim() == 2:
+                width = max(v.shape[1] for v in values)
+                left = str(key).startswith("prompt")
+                values = [F.pad(v, (width - v.shape[1], 0) if left else (0, width - v.shape[1])) for v in values]
+            out[key] = torch.cat(values, dim=0)
+    merged = TensorDict(out, batch_size=[sum(p.batch_size[0] for p in parts)])
+    from rlkit.batch import set_column  # local: keeps rlkit.parallel importable without tensordict users
+
+    for key in first.keys():
+        if not isinstance(first.get(key), torch.Tensor):
+            rows: list = []
+            for p in parts:
+                value = p.get(key)
+                rows.extend(value.tolist() if hasattr(value, "tolist") else [value] * p.batch_size[0])
+            set_column(merged, key, rows)
+    return merged

@@ -1,0 +1,174 @@
+"""rlkit.launch: elastic workers from Python (as a notebook would), and the torchrun-style shell entry."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rlkit.launch import WorkerError, _jsonable, emit, launch, torchrun_argv
+
+pytestmark = pytest.mark.distributed
+
+# Run as __main__ of a fresh interpreter, like a notebook kernel: the functions below exist only
+# in __main__, so they reach the workers by value (cloudpickle), not by import.
+NOTEBOOK = textwrap.dedent(
+    '''
+    import json, os, sys, time
+    from rlkit.launch import WorkerError, emit, launch
+
+    run_dir = sys.argv[1]
+
+    def train(steps, scale=1.0):
+        import torch
+        import torch.distributed as dist
+        from rlkit.parallel.mesh import init_distributed
+
+        info = init_distributed(timeout=60)
+        for step in range(steps):
+            total = torch.tensor([float(info.rank)])
+            dist.all_reduce(total)
+            emit({"step": step, "rank_sum": total, "value": scale * step})
+        # Streaming, not collected at exit: wait until the caller has seen our metrics.
+        ack = os.path.join(run_dir, f"ack{info.rank}")
+        deadline = time.time() + 60
+        while not os.path.exists(ack) and time.time() < deadline:
+            time.sleep(0.05)
+        return {"rank": info.rank, "world": info.world_size, "acked": os.path.exists(ack)}
+
+    def on_metrics(rank, metrics):
+        seen.append([rank, metrics])
+        if metrics["step"] == 2:
+            open(os.path.join(run_dir, f"ack{rank}"), "w").close()
+
+    def broken():
+        def inner_failure():
+            raise ValueError("boom from worker " + os.environ["RANK"])
+
+        if os.environ["RANK"] == "1":
+            inner_failure()
+        return "rank 0 is fine"
+
+    if __name__ == "__main__":
+        seen = []
+        result = launch(train, 3, nproc_per_node=2, on_metrics=on_metrics, run_dir=run_dir, scale=2.0)
+        try:
+            launch(broken, nproc_per_node=2)
+            error = None
+        except WorkerError as e:
+            error = {"rank": e.rank, "traceback": e.worker_traceback, "message": str(e)}
+        print("RESULT " + json.dumps({"result": result, "seen": seen, "error": error}), flush=True)
+    '''
+)
+
+WORKER_SCRIPT = textwrap.dedent(
+    '''
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+    from rlkit.parallel.mesh import init_distributed, shutdown
+
+    info = init_distributed(timeout=60)
+    total = torch.tensor([info.rank + 1.0])
+    dist.all_reduce(total)
+    with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as f:
+        json.dump({"rank": info.rank, "world": info.world_size, "sum": total.item(), "node": os.environ["GROUP_RANK"]}, f)
+    shutdown()
+    '''
+)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def test_launch_from_python_returns_rank0_result_streams_metrics_and_raises_worker_traceback(tmp_path):
+    script = tmp_path / "notebook.py"
+    script.write_text(NOTEBOOK)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(run_dir)], capture_output=True, text=True, timeout=150, env=_env()
+    )
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+
+    assert out["result"] == {"rank": 0, "world": 2, "acked": True}
+    seen = out["seen"]
+    assert sorted({rank for rank, _ in seen}) == [0, 1]
+    for rank in (0, 1):
+        steps = [m for r, m in seen if r == rank]
+        assert [m["step"] for m in steps] == [0, 1, 2]
+        assert [m["value"] for m in steps] == [0.0, 2.0, 4.0]
+        assert all(m["rank_sum"] == 1.0 for m in steps)  # tensors arrive as numbers; 0 + 1 over both ranks
+
+    error = out["error"]
+    assert error is not None and error["rank"] == 1
+    assert "ValueError: boom from worker 1" in error["traceback"]
+    assert "inner_failure" in error["traceback"]  # the worker's own frames, not the launcher's
+    assert "boom from worker 1" in error["message"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_shell_launch_two_nodes_one_rendezvous(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(WORKER_SCRIPT)
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "rlkit.launch", "--nnodes", "2", "--nproc-per-node", "1",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes", str(script), str(tmp_path),
+    ]
+    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()) for _ in range(2)]
+    try:
+        outputs = [a.communicate(timeout=150)[0] for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    records = sorted((json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)), key=lambda d: d["rank"])
+    assert [d["world"] for d in records] == [2, 2]
+    assert [d["sum"] for d in records] == [3.0, 3.0]  # 1 + 2: the all-reduce crossed the two agents
+    assert sorted(d["node"] for d in records) == ["0", "1"]  # one worker per agent ("node")
+
+
+def test_torchrun_argv_defaults():
+    assert torchrun_argv(["--nproc-per-node", "2", "train.py"])[0] == "--standalone"
+    multi = torchrun_argv(["--nnodes", "2", "--rdzv-endpoint", "h:1", "train.py", "--lr", "1"])
+    assert multi[0] == "--rdzv-backend=c10d" and multi[-3:] == ["train.py", "--lr", "1"]
+    explicit = ["--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "t.py"]
+    assert torchrun_argv(explicit) == explicit
+
+
+def test_emit_outside_launch_is_a_no_op(monkeypatch, tmp_path):
+    monkeypatch.delenv("RLKIT_RUN_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    emit({"loss": 1.0})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_jsonable_turns_tensors_into_numbers():
+    import torch
+
+    record = _jsonable({"a": torch.tensor(1.5), "b": torch.tensor([1, 2]), "c": float("nan"), "d": (1, 2.0)})
+    assert record == {"a": 1.5, "b": [1, 2], "c": "nan", "d": [1, 2.0]}
+    json.dumps(record)
+
+
+def test_launch_argument_errors():
+    with pytest.raises(ValueError, match="rdzv_endpoint"):
+        launch(print, nnodes=2)
+    with pytest.raises(ValueError, match="nproc_per_node"):
+        launch(print, nproc_per_node=0)
+    assert issubclass(WorkerError, RuntimeError)
