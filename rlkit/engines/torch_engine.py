@@ -7,22 +7,44 @@ the next ``generate`` and weight sync costs nothing when training and rollout sh
 
 Generation: left-padded prompts, one prefill over the prompt, then one decode step per token
 against a static, preallocated KV cache of ``p + max_new_tokens`` slots. A decode step has fixed
-shapes and reads its position from a device tensor, so it does no host synchronisation (it can
-be captured in a CUDA graph); the host checks "all rows finished" only every ``sync_every``
-tokens. Numerics follow transformers: RMSNorm in float32, the model's own rotary embedding
-module for cos/sin (``rope_theta`` and rope scaling from the config), SDPA attention with GQA.
+shapes and reads its position from a device tensor, so it does no host synchronisation; the host
+checks "all rows finished" only every ``sync_every`` tokens (never with ``ignore_stop``).
+Numerics follow transformers: RMSNorm in float32, the model's own rotary embedding module for
+cos/sin (``rope_theta`` and rope scaling from the config), SDPA attention with GQA.
+
+On CUDA (all three are on by default there and off on CPU; each can be turned off):
+
+- ``cuda_graphs``: each decode step is captured once in a CUDA graph and replayed, one graph per
+  *bucket* of filled cache length (``cache_bucket`` slots): step ``s`` attends over the first
+  ``ceil((p + s) / cache_bucket) * cache_bucket`` slots only, not the whole cache. Graphs and
+  the KV cache are kept between calls with the same shapes (``release()`` frees them).
+- ``fuse``: q/k/v and gate/up projections run as one matrix product each, over concatenated
+  copies of the weights. The copies no longer share the training storage, so they are
+  re-concatenated by ``load_weights`` and at the start of every ``generate`` (version counters
+  cannot tell: a fused AdamW step does not bump them). The cost is one extra copy of those
+  weights (about 75% of a decoder's non-embedding parameters; 0.47 GB for Qwen2.5-0.5B) and
+  one device copy per call (well under a millisecond there); on CPU the shared-storage path
+  stays and sync is free.
+- ``fused_sampling``: temperature/greedy sampling (no top-k/top-p) as two Triton kernels that
+  read the bf16 logits once: a split-vocabulary pass computing the running log-sum-exp and the
+  Gumbel-max argmax with counter-based (Philox) noise keyed by ``(seed, step, row, column)``,
+  and a combine pass per row. The seed is drawn from the caller's generator once per call.
+
+GQA decode attention never repeats key/value heads: the ``g = heads / kv_heads`` query heads of
+one kv head are laid out as ``g`` query rows against that head's cache, ``(b kvh g d)``.
 
 Sampling: logits -> / temperature -> top-k -> top-p -> sample with the exponential-race trick
-(``argmax(log p - log E)``, ``E ~ Exp(1)``, drawn from the caller's ``torch.Generator``), which
-samples exactly from ``p``. The behaviour log-prob is ``log p(token)`` under that processed
-distribution; greedy decoding (temperature 0) reports the plain log-softmax.
+(``argmax(log p - log E)``, ``E ~ Exp(1)``, i.e. Gumbel-max), which samples exactly from
+``p``. The behaviour log-prob is ``log p(token)`` under that processed distribution; greedy
+decoding (temperature 0) reports the plain log-softmax.
 """
 from __future__ import annotations
 
 import importlib
+import math
 import time
-from dataclasses import dataclass
-from typing import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +85,144 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
 
 
+# ---------------------------------------------------------------------------------------------
+# Fused sampling kernels (Triton, CUDA only; built on first use so CPU never imports Triton)
+
+_KERNELS: dict[str, Any] | None = None
+
+
+def _sampling_kernels() -> dict[str, Any] | None:
+    """``{"partial", "combine"}`` Triton kernels, or None when Triton is not importable."""
+    global _KERNELS, triton, tl
+    if _KERNELS is not None:
+        return _KERNELS or None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        _KERNELS = {}
+        return None
+
+    @triton.jit
+    def partial_kernel(
+        logits_ptr, row_stride, vocab, split_size, seed_ptr, step_ptr, n_rows, inv_temp,
+        out_m, out_s, out_score, out_idx, out_z, n_splits,
+        GREEDY: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        # program (row, split): log-sum-exp and Gumbel-max argmax over vocab[start:end] of one row
+        row = tl.program_id(0)
+        split = tl.program_id(1)
+        start = split * split_size
+        base = logits_ptr + row.to(tl.int64) * row_stride
+        seed = tl.load(seed_ptr) + tl.load(step_ptr) * n_rows + row
+        lanes = tl.arange(0, BLOCK)
+        run_max = tl.full([], float("-inf"), tl.float32)
+        run_sum = tl.full([], 0.0, tl.float32)
+        best = tl.full([], float("-inf"), tl.float32)
+        best_idx = start
+        best_z = tl.full([], 0.0, tl.float32)
+        for off in range(0, split_size, BLOCK):  # split_size is a multiple of BLOCK
+            cols = start + off + lanes
+            valid = cols < vocab
+            z = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
+            new_max = tl.maximum(run_max, tl.max(z, 0))
+            run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(z - new_max), 0)
+            run_max = new_max
+            if GREEDY:
+                score = z
+            else:
+                # exponential race: argmax(z - log E), E = -log U ~ Exp(1)
+                u = tl.rand(seed, cols)
+                score = z - tl.log(-tl.log(u))
+            score = tl.where(valid, score, float("-inf"))
+            block_best = tl.max(score, 0)
+            block_arg = tl.argmax(score, 0)
+            block_z = tl.sum(tl.where(lanes == block_arg, z, 0.0), 0)
+            take = block_best > best
+            best = tl.where(take, block_best, best)
+            best_idx = tl.where(take, start + off + block_arg, best_idx)
+            best_z = tl.where(take, block_z, best_z)
+        o = row * n_splits + split
+        tl.store(out_m + o, run_max)
+        tl.store(out_s + o, run_sum)
+        tl.store(out_score + o, best)
+        tl.store(out_idx + o, best_idx)
+        tl.store(out_z + o, best_z)
+
+    @triton.jit
+    def combine_kernel(out_m, out_s, out_score, out_idx, out_z, n_splits, tokens_ptr, logprobs_ptr, SPLITS: tl.constexpr):
+        row = tl.program_id(0)
+        k = tl.arange(0, SPLITS)
+        valid = k < n_splits
+        o = row * n_splits + k
+        m = tl.load(out_m + o, mask=valid, other=float("-inf"))
+        s = tl.load(out_s + o, mask=valid, other=0.0)
+        top = tl.max(m, 0)
+        total = tl.sum(tl.where(valid, s * tl.exp(m - top), 0.0), 0)
+        score = tl.load(out_score + o, mask=valid, other=float("-inf"))
+        arg = tl.argmax(score, 0)  # first maximum: ties go to the lowest vocabulary index
+        idx = tl.sum(tl.where(k == arg, tl.load(out_idx + o, mask=valid, other=0), 0), 0)
+        z = tl.sum(tl.where(k == arg, tl.load(out_z + o, mask=valid, other=0.0), 0.0), 0)
+        tl.store(tokens_ptr + row, idx.to(tl.int64))
+        tl.store(logprobs_ptr + row, z - top - tl.log(total))
+
+    _KERNELS = {"partial": partial_kernel, "combine": combine_kernel}
+    return _KERNELS
+
+
+@dataclass
+class _Sampler:
+    """Buffers of the fused sampler for ``b`` rows (fixed addresses: CUDA graphs read them)."""
+
+    seed: torch.Tensor  # (1) long
+    n_splits: int
+    split_size: int
+    partial: list[torch.Tensor]  # m, s, score (f32), idx (i32), z (f32), each (b n_splits)
+    tokens: torch.Tensor  # (b) long
+    logprobs: torch.Tensor  # (b) f32
+
+
+def fused_sample(logits: torch.Tensor, sampler: _Sampler, step: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``(b)`` and their log-probs under ``softmax(logits / T)`` (greedy when ``T == 0``).
+
+    ``logits (b v)`` in any float dtype, read once. The noise of row ``r`` at decode step ``s``
+    is Philox keyed by ``seed + s * b + r`` at offset = vocabulary index, so the draw does not
+    depend on how the vocabulary is split across programs.
+    """
+    kernels = _sampling_kernels()
+    b, vocab = logits.shape
+    greedy = temperature == 0
+    m, s, score, idx, z = sampler.partial
+    kernels["partial"][(b, sampler.n_splits)](
+        logits, logits.stride(0), vocab, sampler.split_size, sampler.seed, step, b,
+        1.0 if greedy else 1.0 / temperature, m, s, score, idx, z, sampler.n_splits,
+        GREEDY=greedy, BLOCK=2048, num_warps=8,
+    )
+    kernels["combine"][(b,)](
+        m, s, score, idx, z, sampler.n_splits, sampler.tokens, sampler.logprobs,
+        SPLITS=max(2, triton.next_power_of_2(sampler.n_splits)), num_warps=1,
+    )
+    return sampler.tokens, sampler.logprobs
+
+
+def _make_sampler(b: int, vocab: int, device: torch.device) -> _Sampler:
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    block = 2048
+    wanted = max(1, min(64, math.ceil(4 * sms / b)))  # enough programs to fill the chip
+    split_size = math.ceil(math.ceil(vocab / wanted) / block) * block
+    n_splits = math.ceil(vocab / split_size)
+    f32 = dict(dtype=torch.float32, device=device)
+    return _Sampler(
+        seed=torch.zeros(1, dtype=torch.long, device=device),
+        n_splits=n_splits,
+        split_size=split_size,
+        partial=[torch.empty(b, n_splits, **f32) for _ in range(3)]
+        + [torch.empty(b, n_splits, dtype=torch.int32, device=device), torch.empty(b, n_splits, **f32)],
+        tokens=torch.zeros(b, dtype=torch.long, device=device),
+        logprobs=torch.zeros(b, **f32),
+    )
+
+
 @dataclass
 class _DecodeState:
     """Everything one decode step reads and writes, preallocated so the step is shape-static."""
@@ -80,6 +240,21 @@ class _DecodeState:
     finished: torch.Tensor  # (b) bool
     stop_ids: torch.Tensor  # (s) long
     pad_id: int
+    cos: torch.Tensor | None = None  # (S d) rotary table this state's graphs read
+    sin: torch.Tensor | None = None
+
+
+@dataclass
+class _Plan:
+    """A decode state kept between ``generate`` calls of the same shape, with its CUDA graphs."""
+
+    key: tuple
+    state: _DecodeState
+    sampler: _Sampler | None
+    graphs: dict[int, Any] = field(default_factory=dict)  # cache length -> torch.cuda.CUDAGraph
+    warmed: set = field(default_factory=set)
+    pool: Any = None
+    graph_failed: bool = False
 
 
 class TorchEngine:
@@ -88,6 +263,9 @@ class TorchEngine:
     Implements :class:`rlkit.engines.base.Engine`. Build with :meth:`from_model` (shares the
     model's parameter storage) or ``TorchEngine(config, weights)`` (weights: HF names -> tensors;
     the engine uses the given tensors as they are). Runs on the device of the weights.
+
+    ``cuda_graphs``, ``fuse`` and ``fused_sampling`` default to True on CUDA and False on CPU
+    (see the module docstring); ``cache_bucket`` is the cache-length granularity of the graphs.
     """
 
     def __init__(
@@ -98,6 +276,10 @@ class TorchEngine:
         rotary: nn.Module | None = None,
         pad_token_id: int | None = None,
         sync_every: int = 8,
+        cuda_graphs: bool | None = None,
+        fuse: bool | None = None,
+        fused_sampling: bool | None = None,
+        cache_bucket: int = 64,
     ):
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED:
@@ -114,6 +296,8 @@ class TorchEngine:
             )
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        if cache_bucket < 1:
+            raise ValueError(f"cache_bucket must be >= 1, got {cache_bucket}")
         self.config = config
         self.weights: dict[str, torch.Tensor] = {}
         for name, tensor in dict(weights).items():
@@ -155,6 +339,16 @@ class TorchEngine:
         self.sync_every = sync_every
         self.policy_version = 0
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        on_cuda = self.device.type == "cuda"
+        self.cuda_graphs = on_cuda if cuda_graphs is None else bool(cuda_graphs) and on_cuda
+        self.fused_sampling = (on_cuda if fused_sampling is None else bool(fused_sampling)) and on_cuda
+        if self.fused_sampling and _sampling_kernels() is None:
+            self.fused_sampling = False
+        self.cache_bucket = cache_bucket
+        self._plan: _Plan | None = None
+        self._fused: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        if on_cuda if fuse is None else fuse:
+            self._build_fused()
 
     # ------------------------------------------------------------------ construction / weights
     @classmethod
@@ -181,13 +375,50 @@ class TorchEngine:
                 return int(value)
         return 0
 
+    @property
+    def fused(self) -> bool:
+        """True when q/k/v and gate/up run from concatenated copies of the weights."""
+        return bool(self._fused)
+
+    def _build_fused(self) -> None:
+        """Allocate the concatenated q|k|v and gate|up weights (and biases) and fill them."""
+        groups = {
+            "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+        }
+        for layer in self.layers:
+            for fused_name, parts in groups.items():
+                for suffix in (".weight", ".bias"):
+                    srcs = [layer.get(p + suffix) for p in parts]
+                    if any(s is None for s in srcs):
+                        continue
+                    dst = torch.empty((sum(s.shape[0] for s in srcs), *srcs[0].shape[1:]), dtype=srcs[0].dtype, device=srcs[0].device)
+                    layer[fused_name + suffix] = dst
+                    self._fused.append((dst, srcs))
+        self._refresh_fused()
+
+    @torch.no_grad()
+    def _refresh_fused(self) -> int:
+        """Re-concatenate the fused weights from their sources; returns the bytes written."""
+        written = 0
+        for dst, srcs in self._fused:
+            torch.cat(srcs, dim=0, out=dst)
+            written += dst.numel() * dst.element_size()
+        return written
+
+    def release(self) -> None:
+        """Free the kept KV cache and CUDA graphs (they are rebuilt by the next ``generate``)."""
+        self._plan = None
+
     @torch.no_grad()
     def load_weights(
         self, weights: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]], *, version: int
     ) -> dict[str, float]:
         """Copy new weights (HF names) into the engine's tensors; tensors already shared are skipped.
 
-        Accepts DTensors (gathered with ``full_tensor()``). Returns ``{"bytes", "seconds"}``.
+        Accepts DTensors (gathered with ``full_tensor()``). Fused weights are re-concatenated.
+        Returns ``{"bytes", "seconds", "fused_bytes"}`` (``bytes`` counts the copies from
+        ``weights``, ``fused_bytes`` the re-concatenation).
         """
         start = time.perf_counter()
         copied = 0
@@ -209,10 +440,11 @@ class TorchEngine:
                 continue
             dst.copy_(tensor)
             copied += dst.numel() * dst.element_size()
+        fused_bytes = self._refresh_fused() if self._fused else 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.policy_version = int(version)
-        return {"bytes": float(copied), "seconds": time.perf_counter() - start}
+        return {"bytes": float(copied), "seconds": time.perf_counter() - start, "fused_bytes": float(fused_bytes)}
 
     # ------------------------------------------------------------------ model math
     def _rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,13 +457,19 @@ class TorchEngine:
             self._cos_sin = (cos[0], sin[0])
         return self._cos_sin
 
-    def _attention(self, layer: dict, x: torch.Tensor, cos, sin, write, keys, mask) -> torch.Tensor:
-        """One attention block. ``x (b s h)``; ``cos, sin (b s d)``; ``write(i, k, v)`` stores the new
-        keys/values and ``keys()`` returns the cached ``(k, v)`` to attend over with ``mask (b 1 s S)``."""
+    def _qkv(self, layer: dict, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projected, normed (Qwen3) and rotated ``q (b H s d)``, ``k, v (b kvh s d)``."""
         b, s, _ = x.shape
-        q = _linear(x, layer, "self_attn.q_proj").view(b, s, self.num_heads, self.head_dim)
-        k = _linear(x, layer, "self_attn.k_proj").view(b, s, self.num_kv_heads, self.head_dim)
-        v = _linear(x, layer, "self_attn.v_proj").view(b, s, self.num_kv_heads, self.head_dim)
+        if "self_attn.qkv_proj.weight" in layer:
+            qkv = _linear(x, layer, "self_attn.qkv_proj")
+            q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1)
+        else:
+            q = _linear(x, layer, "self_attn.q_proj")
+            k = _linear(x, layer, "self_attn.k_proj")
+            v = _linear(x, layer, "self_attn.v_proj")
+        q = q.reshape(b, s, self.num_heads, self.head_dim)
+        k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
         if "self_attn.q_norm.weight" in layer:  # Qwen3: RMSNorm over each head before rotary
             q = _rms_norm(q, layer["self_attn.q_norm.weight"], self.eps)
             k = _rms_norm(k, layer["self_attn.k_norm.weight"], self.eps)
@@ -239,25 +477,25 @@ class TorchEngine:
         cos, sin = cos[:, None], sin[:, None]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        write(k, v)
-        k_all, v_all = keys()
-        groups = self.num_heads // self.num_kv_heads
-        # Masked GQA in SDPA falls back to the math kernel on CUDA; repeating kv heads keeps the fast ones.
-        out = F.scaled_dot_product_attention(
-            q, _repeat_kv(k_all, groups), _repeat_kv(v_all, groups), attn_mask=mask, scale=self.head_dim**-0.5
-        )
-        out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
-        return _linear(out, layer, "self_attn.o_proj")
+        return q, k, v
 
     def _mlp(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
-        return _linear(self.act(_linear(x, layer, "mlp.gate_proj")) * _linear(x, layer, "mlp.up_proj"), layer, "mlp.down_proj")
+        if "mlp.gate_up_proj.weight" in layer:
+            gate, up = _linear(x, layer, "mlp.gate_up_proj").chunk(2, dim=-1)
+        else:
+            gate, up = _linear(x, layer, "mlp.gate_proj"), _linear(x, layer, "mlp.up_proj")
+        return _linear(self.act(gate) * up, layer, "mlp.down_proj")
 
-    def _forward(self, ids: torch.Tensor, cos, sin, writes, keys, mask) -> torch.Tensor:
-        """Decoder over ``ids (b s)`` -> final-normed hidden ``(b s h)``."""
+    def _forward(self, ids: torch.Tensor, cos, sin, attend) -> torch.Tensor:
+        """Decoder over ``ids (b s)`` -> final-normed hidden ``(b s h)``.
+
+        ``attend(i, q, k, v) -> (b s H*d)`` stores layer ``i``'s new keys/values in the cache
+        and attends over it."""
         x = F.embedding(ids, self.weights["model.embed_tokens.weight"])
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer["input_layernorm.weight"], self.eps)
-            x = x + self._attention(layer, h, cos, sin, writes[i], keys[i], mask)
+            q, k, v = self._qkv(layer, h, cos, sin)
+            x = x + _linear(attend(i, q, k, v), layer, "self_attn.o_proj")
             h = _rms_norm(x, layer["post_attention_layernorm.weight"], self.eps)
             x = x + self._mlp(layer, h)
         return _rms_norm(x, self.weights["model.norm.weight"], self.eps)
@@ -294,6 +532,17 @@ class TorchEngine:
         tokens = (logp - self._noise(logp.shape, generator).log()).argmax(-1)
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
+    def _uses_fused_sampler(self, params: SamplingParams) -> bool:
+        vocab = self.weights["lm_head.weight"].shape[0]
+        plain = params.temperature == 0 or ((params.top_k <= 0 or params.top_k >= vocab) and params.top_p >= 1.0)
+        return self.fused_sampling and plain
+
+    def _sample_logits(self, hidden_last: torch.Tensor, params, generator, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
+        if plan.sampler is not None:
+            logits = F.linear(hidden_last, self.weights["lm_head.weight"])
+            return fused_sample(logits, plan.sampler, plan.state.step, params.temperature)
+        return self._sample(self._logits(hidden_last), params, generator)
+
     def _record(self, state: _DecodeState, tokens: torch.Tensor, logprobs: torch.Tensor, params: SamplingParams) -> None:
         """Write the sampled tokens at ``state.step`` (finished rows get pad, mask False, log-prob 0)."""
         alive = ~state.finished
@@ -307,27 +556,67 @@ class TorchEngine:
         state.tokens.copy_(tokens)
         state.step += 1
 
-    def _decode_step(self, state: _DecodeState, params: SamplingParams, generator) -> None:
-        """Feed the last sampled token, sample the next one. Fixed shapes, no host sync."""
+    def _decode_step(self, plan: _Plan, length: int, params: SamplingParams, generator) -> None:
+        """Feed the last sampled token, sample the next one, attending over cache slots ``[0, length)``.
+
+        Fixed shapes and no host sync (capturable in a CUDA graph)."""
+        state = plan.state
         slot = (state.step - 1 + state.prompt_width).view(1)
         positions = state.prompt_lengths + state.step - 1  # (b)
-        cos_table, sin_table = self._cos_sin
-        cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]  # (b 1 d)
+        cos, sin = state.cos[positions][:, None], state.sin[positions][:, None]  # (b 1 d)
         state.key_valid.index_fill_(1, slot, True)
-        mask = state.key_valid[:, None, None, :]
+        mask = state.key_valid[:, None, None, :length]  # (b 1 1 L)
+        b, kvh, d = state.tokens.shape[0], self.num_kv_heads, self.head_dim
+        groups = self.num_heads // kvh
 
-        def writer(i):
-            def write(k, v):
-                state.k_cache[i].index_copy_(2, slot, k)
-                state.v_cache[i].index_copy_(2, slot, v)
+        def attend(i, q, k, v):
+            state.k_cache[i].index_copy_(2, slot, k)
+            state.v_cache[i].index_copy_(2, slot, v)
+            # GQA without repeating the cache: the query heads of one kv head become its query rows
+            out = F.scaled_dot_product_attention(
+                q.reshape(b, kvh, groups, d),
+                state.k_cache[i][:, :, :length],
+                state.v_cache[i][:, :, :length],
+                attn_mask=mask,
+                scale=d**-0.5,
+            )
+            return out.reshape(b, 1, kvh * groups * d)
 
-            return write
-
-        writes = [writer(i) for i in range(self.num_layers)]
-        keys = [lambda i=i: (state.k_cache[i], state.v_cache[i]) for i in range(self.num_layers)]
-        hidden = self._forward(state.tokens[:, None], cos, sin, writes, keys, mask)
-        tokens, logprobs = self._sample(self._logits(hidden[:, -1]), params, generator)
+        hidden = self._forward(state.tokens[:, None], cos, sin, attend)
+        tokens, logprobs = self._sample_logits(hidden[:, -1], params, generator, plan)
         self._record(state, tokens, logprobs, params)
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _graph_step(self, plan: _Plan, length: int, params, generator) -> None:
+        """Run one decode step through the graph for ``length`` (capturing it on its second use:
+        the first, eager, run warms up kernels and allocators)."""
+        graph = plan.graphs.get(length)
+        if graph is None:
+            if length not in plan.warmed or plan.graph_failed:
+                plan.warmed.add(length)
+                self._decode_step(plan, length, params, generator)
+                return
+            graph = torch.cuda.CUDAGraph()
+            if plan.pool is None:
+                plan.pool = torch.cuda.graph_pool_handle()
+            try:
+                with torch.cuda.graph(graph, pool=plan.pool):
+                    self._decode_step(plan, length, params, generator)
+            except Exception:  # noqa: BLE001 - a capture failure must not break generation: stay eager
+                plan.graph_failed = True
+                self._decode_step(plan, length, params, generator)
+                return
+            plan.graphs[length] = graph
+        graph.replay()
+
+    def _can_graph(self, params: SamplingParams, generator) -> bool:
+        if not self.cuda_graphs:
+            return False
+        if self._uses_fused_sampler(params) or params.temperature == 0:
+            return True
+        # torch sampling draws noise inside the step; only the default generator is graph-safe
+        # without registering a caller's generator with each graph
+        return generator is None
 
     # ------------------------------------------------------------------ generate
     def _left_pad(self, prompts: Sequence[Sequence[int]], n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,9 +634,49 @@ class TorchEngine:
                 raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab}): {row[:10]}...")
             ids[i, width - len(row) :] = torch.tensor(row)
             mask[i, width - len(row) :] = True
-        ids = ids.repeat_interleave(n, dim=0).to(self.device)
-        mask = mask.repeat_interleave(n, dim=0).to(self.device)
+        ids = ids.repeat_interleave(n, dim=0)
+        mask = mask.repeat_interleave(n, dim=0)
         return ids, mask
+
+    def _new_plan(self, key: tuple, b: int, p: int, steps: int, params: SamplingParams, fused_sampler: bool) -> _Plan:
+        total = p + steps
+        kv_shape = (b, self.num_kv_heads, total, self.head_dim)
+        dev = self.device
+        cos, sin = self._rope_table(total)
+        state = _DecodeState(
+            tokens=torch.zeros(b, dtype=torch.long, device=dev),
+            step=torch.zeros((), dtype=torch.long, device=dev),
+            prompt_width=p,
+            prompt_lengths=torch.zeros(b, dtype=torch.long, device=dev),
+            key_valid=torch.zeros(b, total, dtype=torch.bool, device=dev),
+            k_cache=[torch.zeros(kv_shape, dtype=self.dtype, device=dev) for _ in range(self.num_layers)],
+            v_cache=[torch.zeros(kv_shape, dtype=self.dtype, device=dev) for _ in range(self.num_layers)],
+            out_tokens=torch.full((b, steps), self.pad_token_id, dtype=torch.long, device=dev),
+            out_mask=torch.zeros((b, steps), dtype=torch.bool, device=dev),
+            out_logprobs=torch.zeros((b, steps), dtype=torch.float32, device=dev),
+            finished=torch.zeros(b, dtype=torch.bool, device=dev),
+            stop_ids=torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=dev),
+            pad_id=self.pad_token_id,
+            cos=cos,
+            sin=sin,
+        )
+        vocab = self.weights["lm_head.weight"].shape[0]
+        sampler = _make_sampler(b, vocab, dev) if fused_sampler else None
+        return _Plan(key=key, state=state, sampler=sampler)
+
+    def _reset(self, plan: _Plan, prompt_mask: torch.Tensor) -> None:
+        """Put a kept plan back to step 0 in place (graphs hold these addresses)."""
+        state = plan.state
+        p = state.prompt_width
+        state.tokens.zero_()
+        state.step.zero_()
+        state.prompt_lengths.copy_(prompt_mask.sum(-1))
+        state.key_valid.zero_()
+        state.key_valid[:, :p] = prompt_mask
+        state.out_tokens.fill_(self.pad_token_id)
+        state.out_mask.zero_()
+        state.out_logprobs.zero_()
+        state.finished.zero_()
 
     @torch.no_grad()
     def generate(
@@ -360,53 +689,63 @@ class TorchEngine:
         """Sample ``params.n`` responses per prompt (rows prompt-major). See :class:`Generation`."""
         start = time.perf_counter()
         ids, prompt_mask = self._left_pad(prompt_ids, params.n)
+        no_padding = bool(prompt_mask.all())
+        ids, prompt_mask = ids.to(self.device), prompt_mask.to(self.device)
         b, p = ids.shape
         steps = params.max_new_tokens
-        total = p + steps
-        cos_table, sin_table = self._rope_table(total)
-        kv_shape = (b, self.num_kv_heads, total, self.head_dim)
-        state = _DecodeState(
-            tokens=torch.zeros(b, dtype=torch.long, device=self.device),
-            step=torch.zeros((), dtype=torch.long, device=self.device),
-            prompt_width=p,
-            prompt_lengths=prompt_mask.sum(-1),
-            key_valid=torch.cat([prompt_mask, torch.zeros(b, steps, dtype=torch.bool, device=self.device)], dim=1),
-            k_cache=[torch.zeros(kv_shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)],
-            v_cache=[torch.zeros(kv_shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)],
-            out_tokens=torch.full((b, steps), self.pad_token_id, dtype=torch.long, device=self.device),
-            out_mask=torch.zeros((b, steps), dtype=torch.bool, device=self.device),
-            out_logprobs=torch.zeros((b, steps), dtype=torch.float32, device=self.device),
-            finished=torch.zeros(b, dtype=torch.bool, device=self.device),
-            stop_ids=torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=self.device),
-            pad_id=self.pad_token_id,
-        )
+        if self._fused:
+            self._refresh_fused()
+        fused_sampler = self._uses_fused_sampler(params)
+        graphs = self._can_graph(params, generator)
+        stop_ids = () if params.ignore_stop else tuple(sorted(set(params.stop_token_ids)))
+        key = (b, p, steps, params.temperature, params.top_k, params.top_p, stop_ids, params.ignore_stop, fused_sampler, graphs)
+        plan = self._plan
+        if plan is None or plan.key != key or not graphs:
+            self._plan = None  # free the old cache before allocating the new one
+            plan = self._new_plan(key, b, p, steps, params, fused_sampler)
+            if graphs:
+                self._plan = plan
+        self._reset(plan, prompt_mask)
+        state = plan.state
+        if plan.sampler is not None:
+            # one draw from the caller's generator keys all of this call's noise
+            seed = torch.randint(0, 2**62, (1,), generator=generator, device=generator.device if generator is not None else self.device)
+            plan.sampler.seed.copy_(seed)
 
         # Prefill: causal attention among real prompt tokens; a pad query attends to itself only,
         # so no softmax row is empty (its output is never used).
         positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
-        causal = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()
-        eye = torch.eye(p, dtype=torch.bool, device=self.device)
-        mask = (causal & (prompt_mask[:, None, :] | eye))[:, None]  # (b 1 p p)
+        groups = self.num_heads // self.num_kv_heads
+        if no_padding:
+            mask = None
+        else:
+            causal = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()
+            eye = torch.eye(p, dtype=torch.bool, device=self.device)
+            mask = (causal & (prompt_mask[:, None, :] | eye))[:, None]  # (b 1 p p)
 
-        def writer(i):
-            def write(k, v):
-                state.k_cache[i][:, :, :p] = k
-                state.v_cache[i][:, :, :p] = v
+        def attend(i, q, k, v):
+            state.k_cache[i][:, :, :p] = k
+            state.v_cache[i][:, :, :p] = v
+            return F.scaled_dot_product_attention(
+                q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=mask, is_causal=mask is None, scale=self.head_dim**-0.5
+            ).transpose(1, 2).reshape(b, p, self.num_heads * self.head_dim)
 
-            return write
-
-        writes = [writer(i) for i in range(self.num_layers)]
-        keys = [lambda i=i: (state.k_cache[i][:, :, :p], state.v_cache[i][:, :, :p]) for i in range(self.num_layers)]
-        hidden = self._forward(ids, cos_table[positions], sin_table[positions], writes, keys, mask)
-        tokens, logprobs = self._sample(self._logits(hidden[:, -1]), params, generator)
+        hidden = self._forward(ids, state.cos[positions], state.sin[positions], attend)
+        tokens, logprobs = self._sample_logits(hidden[:, -1], params, generator, plan)
         self._record(state, tokens, logprobs, params)
         prefill_seconds = time.perf_counter() - start
 
+        check_stops = not params.ignore_stop and len(stop_ids) > 0
         done = 1
         while done < steps:
-            self._decode_step(state, params, generator)
+            filled = p + done  # cache slots in use once this step has written its token
+            if graphs:
+                length = min(p + steps, math.ceil(filled / self.cache_bucket) * self.cache_bucket)
+                self._graph_step(plan, length, params, generator)
+            else:
+                self._decode_step(plan, filled, params, generator)
             done += 1
-            if done % self.sync_every == 0 and bool(state.finished.all()):
+            if check_stops and done % self.sync_every == 0 and bool(state.finished.all()):
                 break
 
         lengths = state.out_mask.sum(-1)
@@ -425,5 +764,6 @@ class TorchEngine:
                 "tokens": float(generated),
                 "tokens_per_second": generated / max(seconds, 1e-9),
                 "decode_steps": float(done),
+                "graphs": float(len(plan.graphs)),
             },
         )
