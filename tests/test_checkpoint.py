@@ -13,8 +13,14 @@ import torch
 
 import rlkit as rk
 from rlkit import checkpoint as ck
-from rlkit.models import tiny
 from rlkit.state import DonatedStateError
+
+
+def tiny(*args, **kwargs):
+    # imported on use: the 2-process test's workers import this module and need no transformers
+    from rlkit.models import tiny as build
+
+    return build(*args, **kwargs)
 
 
 def _state(char_tok, *, hidden=32, seed=0, ref=True, spec=None):
@@ -249,3 +255,80 @@ def test_truncated_or_corrupted_checkpoint_names_file_and_previous(tmp_path, cha
     (first / ck.MARKER).write_text("{not json")
     with pytest.raises(ck.CheckpointCorruptError, match="file COMPLETE .* is corrupted .* there is no older checkpoint"):
         ck.load(_state(char_tok, ref=False), first)
+
+
+class _Toy(torch.nn.Module):
+    """Two blocks in a ``layers`` list (FSDP2 units) and a head; odd sizes shard unevenly."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(5, 7), torch.nn.Linear(7, 5)])
+        self.head = torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def _toy_state(seed):
+    torch.manual_seed(seed)
+    return rk.init(_Toy(), rk.optim.adamw(lr=1e-2, warmup_steps=1, total_steps=8, schedule="linear"), seed=7)
+
+
+def _save_on_two_ranks(directory):
+    """Worker: FSDP2-shard the toy model over 2 ranks, take 2 steps on rank-specific data, save."""
+    import torch.distributed as dist
+
+    from rlkit.parallel.fsdp import shard_model
+    from rlkit.parallel.mesh import init_distributed, shutdown
+
+    init_distributed()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = _Toy()
+    shard_model(model)
+    state = rk.init(model, rk.optim.adamw(lr=1e-2, warmup_steps=1, total_steps=8, schedule="linear"), seed=7)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1 + rank))
+    for _ in range(2):
+        state.optimizer.zero_grad()
+        model(x).pow(2).sum().backward()
+        state.optimizer.step()
+        state.scheduler.step()
+    state = state.replace(step=2, policy_version=2, data_position=2, extras={"ranks": dist.get_world_size()})
+    torch.manual_seed(100 + rank)  # every rank's global RNG differs: each must be saved
+    rng = torch.get_rng_state()
+    path = ck.save(state, directory)
+    params = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    moments = {name: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in state.optimizer.state[p].items()}
+               for name, p in model.named_parameters()}
+    lr = state.lr
+    shutdown()
+    return str(path), params, moments, rng, lr
+
+
+@pytest.mark.distributed
+def test_saved_on_two_fsdp_ranks_loads_on_one_process(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from rlkit.parallel.local import run_local
+
+    results = run_local(_save_on_two_ranks, 2, str(tmp_path), timeout=180)
+    path, params, moments, rng, lr = results[0]
+    assert results[1][0] == path
+    meta = json.loads((tmp_path / "step_000002" / ck.META).read_text())
+    assert meta["world_size"] == 2 and meta["models"]["actor"]["parameters"]["layers.0.weight"] == [7, 5]
+    keys = set(FileSystemReader(path).read_metadata().state_dict_metadata)
+    assert {"rng.rank0", "rng.rank1", "trainer"} <= keys
+
+    template = _toy_state(seed=1)
+    assert not torch.equal(template.actor.head.weight, params["head.weight"])
+    restored = ck.load(template, path)  # 1 process, no process group
+    assert (restored.step, restored.policy_version, restored.data_position, restored.extras) == (2, 2, 2, {"ranks": 2})
+    for k, v in restored.actor.state_dict().items():
+        assert torch.equal(v, params[k]), k  # resharding only moves bytes: exact
+    for name, p in restored.actor.named_parameters():
+        for k, v in restored.optimizer.state[p].items():
+            assert torch.equal(v, moments[name][k]), (name, k)
+    assert restored.lr == lr
+    assert torch.equal(torch.get_rng_state(), rng)  # this process is rank 0: it gets rank 0's RNG

@@ -87,42 +87,55 @@ def test_resume_equals_uninterrupted_bit_for_bit(tmp_path, task):
     assert [p.name for p in sorted(tmp_path.iterdir())] == ["step_000002", "step_000004"]
 
 
+JOB = dict(algo="ppo", kl=0.01, steps=8, checkpoint_every=2, sft_steps=5, batch_size=4, n=4, eval_every=0, eval_size=4, quiet=True)
+
+
 def _cli(out, *extra):
-    return [sys.executable, "-m", "rlkit.cli", "run", "arithmetic", "--out", str(out), "--algo", "ppo", "--kl", "0.01",
-            "--steps", "8", "--checkpoint-every", "2", "--sft-steps", "5", "--batch-size", "4", "--n", "4",
-            "--eval-every", "0", "--eval-size", "4", "--quiet", *extra]
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in JOB.items()]
+    return [sys.executable, "-m", "rlkit.cli", "run", "arithmetic", "--out", str(out), *flags, *extra]
 
 
 @pytest.mark.slow
 def test_cli_kill9_then_resume_auto_equals_uninterrupted(tmp_path):
+    """PPO (a critic gives non-zero advantages even at zero reward) with a KL reference: the
+    checkpoint must carry actor, critic, ref, both optimizers and schedules."""
     from safetensors.torch import load_file
 
-    # one intra-op thread everywhere: the runs are compared bit for bit
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    from rlkit.jobs import run_task
+
     ref_out, run_out = tmp_path / "uninterrupted", tmp_path / "killed"
-    reference = subprocess.Popen(_cli(ref_out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    victim = subprocess.Popen(_cli(run_out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # one intra-op thread in every run (they are compared bit for bit, and two run at once)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    victim = subprocess.Popen(_cli(run_out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = run_task("arithmetic", {**JOB, "out": str(ref_out)})  # meanwhile, the uninterrupted run
+    finally:
+        torch.set_num_threads(threads)
     first = run_out / "checkpoints" / "step_000002" / "COMPLETE"
     deadline = time.monotonic() + 300
     while not first.exists():
-        assert victim.poll() is None, "the run ended before its first checkpoint"
+        assert victim.poll() is None, f"the run ended before its first checkpoint: {victim.stderr.read()[-3000:]}"
         assert time.monotonic() < deadline, "no checkpoint after 300 s"
         time.sleep(0.01)
     victim.send_signal(signal.SIGKILL)
     assert victim.wait(timeout=60) == -signal.SIGKILL
+    victim.stderr.close()
     assert not (run_out / "model").exists(), "the run finished before the kill; nothing was resumed"
     saved_at = int(latest(run_out / "checkpoints").name.removeprefix("step_"))
     assert saved_at < 8
 
     resumed = subprocess.run(_cli(run_out, "--resume", "auto", "--json"), env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    _, ref_err = reference.communicate(timeout=300)
-    assert reference.returncode == 0, ref_err[-3000:]
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
-    assert summary["steps"] == 8 and summary["resumed_from"].endswith(f"step_{saved_at:06d}")
+    assert summary["steps"] == reference["steps"] == 8 and summary["resumed_from"].endswith(f"step_{saved_at:06d}")
+    assert summary["accuracy_before_rl"] == reference["accuracy_before_rl"]  # carried in the checkpoint
     # the resumed process logged exactly the remaining steps (after whatever the victim logged)
     steps = [json.loads(line)["step"] for line in (run_out / "metrics.jsonl").read_text().splitlines()]
     assert steps[-(8 - saved_at):] == list(range(saved_at + 1, 9))
+    ref_rows = [json.loads(line) for line in (ref_out / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["actor/grad_norm"] > 0 for r in ref_rows[saved_at:])  # the actor really trained
 
     a = load_file(str(ref_out / "model" / "model.safetensors"))
     b = load_file(str(run_out / "model" / "model.safetensors"))
