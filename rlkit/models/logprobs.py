@@ -10,6 +10,21 @@ Memory: the backbone runs to hidden states once; the vocabulary projection runs 
 per chunk. Under autograd each chunk is checkpointed (recomputed in backward), so neither the
 forward nor the saved activations ever hold ``(m, vocab)`` float32 logits.
 
+On CUDA (bf16/fp16) two paths replace the generic ones:
+
+- packed layout: attention runs through torch's varlen flash attention
+  (``torch.nn.attention.varlen.varlen_attn``, ``cu_seqlens`` from the packing) instead of
+  transformers' block-diagonal mask, which is an ``(n n)`` boolean tensor and ``O(n^2)`` work
+  for ``n`` packed tokens. It is registered as a transformers attention function and switched
+  on only for the duration of the call (not under gradient checkpointing, whose recompute
+  would see the model's own attention).
+- log-probs and entropy of each chunk come from one Triton pass over the bf16 logits (online
+  log-sum-exp and ``sum p z``), and the backward writes ``dL/dlogits`` in one more pass:
+  ``d lp / dz_j = 1[j = y] - p_j`` and ``dH / dz_j = -p_j (z_j - sum_i p_i z_i)``; no float32
+  copy of the chunk's logits exists.
+
+``USE_VARLEN_ATTENTION`` / ``USE_FUSED_LOGPROBS`` (module flags) turn either off.
+
 FSDP2: ``fully_shard`` unshards parameters in module forward hooks, so all the work happens
 inside :class:`LogprobModule.forward` / :class:`ValueModule.forward`. Shard the wrapper (the
 root), e.g. ``fully_shard(layer) for each layer; fully_shard(LogprobModule(model))``; calling
@@ -17,6 +32,8 @@ root), e.g. ``fully_shard(layer) for each layer; fully_shard(LogprobModule(model
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
 from typing import Callable
 
 import torch
@@ -31,6 +48,194 @@ LAYOUTS = ("packed", "padded")
 PACKED_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 #: config fields that change logits after ``lm_head``; this module does not reproduce them
 _UNSUPPORTED_LOGIT_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+#: CUDA fast paths (see the module docstring); set False to measure or debug the generic ones
+USE_VARLEN_ATTENTION = True
+USE_FUSED_LOGPROBS = True
+_VARLEN_NAME = "rlkit_varlen"
+
+
+# ---------------------------------------------------------------------------------------------
+# varlen flash attention for the packed layout (CUDA)
+
+
+def _varlen_fn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, sliding_window=None, **kwargs):
+    """A transformers attention function: ``query (1 H n d)``, ``key/value (1 kvh n d)`` of packed
+    rows with boundaries ``kwargs["cu_seq_lens_q"]`` -> ``(1 n H d)``, causal within each row."""
+    cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if cu is None or max_len is None:
+        raise RuntimeError("rlkit varlen attention needs cu_seq_lens_q / max_length_q (call through rlkit.models.response_hidden)")
+    if dropout or sliding_window is not None:
+        raise RuntimeError(f"rlkit varlen attention supports no attention dropout ({dropout}) or sliding window ({sliding_window})")
+    varlen_attn = _varlen_fn()
+    options = inspect.signature(varlen_attn).parameters
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (n heads d)
+    kw = {}
+    if "window_size" in options:  # torch >= 2.11: causal is a (-1, 0) window
+        kw["window_size"] = (-1, 0)
+    else:
+        kw["is_causal"] = True
+    if scaling is not None:
+        if "scale" in options:
+            kw["scale"] = scaling
+        elif abs(scaling - q.shape[-1] ** -0.5) > 1e-12:
+            raise RuntimeError(f"this torch's varlen_attn takes no scale and the model uses {scaling}")
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in options:
+            kw["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+    return out[None], None
+
+
+def _can_use_varlen(backbone: nn.Module, device: torch.device) -> bool:
+    config = getattr(backbone, "config", None)
+    if not USE_VARLEN_ATTENTION or config is None or device.type != "cuda" or _varlen_fn() is None:
+        return False
+    if getattr(backbone, "is_gradient_checkpointing", False) or getattr(config, "use_sliding_window", False):
+        return False
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
+        return False
+    dtype = next(backbone.parameters()).dtype
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return dtype in (torch.bfloat16, torch.float16) and head_dim <= 256 and getattr(config, "_attn_implementation", None) in PACKED_ATTENTION
+
+
+@contextlib.contextmanager
+def _attention_implementation(config, name: str):
+    from transformers import AttentionInterface
+
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, _varlen_attention)
+    previous = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+# ---------------------------------------------------------------------------------------------
+# fused log-softmax / entropy over the vocabulary (Triton, CUDA)
+
+_KERNELS: dict | None = None
+
+
+def _logprob_kernels() -> dict | None:
+    """``{"forward", "backward"}`` Triton kernels, or None when Triton is not importable."""
+    global _KERNELS, triton, tl
+    if _KERNELS is not None:
+        return _KERNELS or None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        _KERNELS = {}
+        return None
+
+    @triton.jit
+    def forward_kernel(logits_ptr, row_stride, vocab, targets_ptr, inv_temp, lp_ptr, ent_ptr, lse_ptr, BLOCK: tl.constexpr):
+        # one row: online max / sum e^(z-max) / sum e^(z-max) z over the vocabulary
+        row = tl.program_id(0)
+        base = logits_ptr + row.to(tl.int64) * row_stride
+        lanes = tl.arange(0, BLOCK)
+        run_max = tl.full([], float("-inf"), tl.float32)
+        run_sum = tl.full([], 0.0, tl.float32)
+        run_dot = tl.full([], 0.0, tl.float32)
+        for off in range(0, vocab, BLOCK):
+            cols = off + lanes
+            valid = cols < vocab
+            z = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
+            new_max = tl.maximum(run_max, tl.max(z, 0))
+            scale = tl.exp(run_max - new_max)
+            e = tl.exp(z - new_max)
+            run_sum = run_sum * scale + tl.sum(e, 0)
+            run_dot = run_dot * scale + tl.sum(tl.where(valid, e * z, 0.0), 0)
+            run_max = new_max
+        lse = run_max + tl.log(run_sum)
+        target = tl.load(targets_ptr + row)
+        z_target = tl.load(base + target).to(tl.float32) * inv_temp
+        tl.store(lp_ptr + row, z_target - lse)
+        tl.store(ent_ptr + row, lse - run_dot / run_sum)
+        tl.store(lse_ptr + row, lse)
+
+    @triton.jit
+    def backward_kernel(
+        logits_ptr, row_stride, vocab, targets_ptr, inv_temp, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr, grad_ptr, grad_stride,
+        WITH_ENT: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        base = logits_ptr + row.to(tl.int64) * row_stride
+        out = grad_ptr + row.to(tl.int64) * grad_stride
+        lanes = tl.arange(0, BLOCK)
+        lse = tl.load(lse_ptr + row)
+        g_lp = tl.load(g_lp_ptr + row)
+        target = tl.load(targets_ptr + row)
+        if WITH_ENT:
+            g_ent = tl.load(g_ent_ptr + row)
+            mean_z = lse - tl.load(ent_ptr + row)  # sum_i p_i z_i
+        for off in range(0, vocab, BLOCK):
+            cols = off + lanes
+            valid = cols < vocab
+            z = tl.load(base + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+            p = tl.exp(z - lse)
+            g = tl.where(cols == target, g_lp, 0.0) - g_lp * p
+            if WITH_ENT:
+                g = g - g_ent * p * (z - mean_z)
+            tl.store(out + cols, (g * inv_temp).to(grad_ptr.dtype.element_ty), mask=valid)
+
+    _KERNELS = {"forward": forward_kernel, "backward": backward_kernel}
+    return _KERNELS
+
+
+class _FusedTokenLogprobs(torch.autograd.Function):
+    """``(logits (m v), targets (m), temperature) -> (logprobs (m), entropy (m))`` in float32."""
+
+    BLOCK = 4096
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature):
+        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+        m, vocab = logits.shape
+        kernels = _logprob_kernels()
+        lp, ent, lse = (torch.empty(m, dtype=torch.float32, device=logits.device) for _ in range(3))
+        if m:
+            kernels["forward"][(m,)](logits, logits.stride(0), vocab, targets, 1.0 / temperature, lp, ent, lse, BLOCK=_FusedTokenLogprobs.BLOCK, num_warps=8)
+        ctx.save_for_backward(logits, targets, lse, ent)
+        ctx.temperature = temperature
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        logits, targets, lse, ent = ctx.saved_tensors
+        m, vocab = logits.shape
+        grad = torch.empty_like(logits)
+        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float().contiguous()
+        with_ent = g_ent is not None
+        g_ent = g_ent.float().contiguous() if with_ent else g_lp
+        if m:
+            _logprob_kernels()["backward"][(m,)](
+                logits, logits.stride(0), vocab, targets, 1.0 / ctx.temperature, lse, ent, g_lp, g_ent, grad, grad.stride(0),
+                WITH_ENT=with_ent, BLOCK=_FusedTokenLogprobs.BLOCK, num_warps=8,
+            )
+        return grad, None, None
+
+
+def _fast_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+    """:func:`token_logprobs` through the Triton kernels when they apply, else the torch one."""
+    if USE_FUSED_LOGPROBS and logits.is_cuda and logits.dim() == 2 and _logprob_kernels() is not None:
+        lp, ent = _FusedTokenLogprobs.apply(logits, targets.contiguous(), float(temperature))
+        return lp, (ent if with_entropy else None)
+    return token_logprobs(logits, targets, temperature=temperature, with_entropy=with_entropy)
 
 
 def _check_inputs(prompt_ids, prompt_mask, response_ids, response_mask) -> None:
@@ -78,7 +283,8 @@ def response_hidden(
     ``response_mask``). ``layout="packed"``: padding dropped, rows concatenated into one ``(1 n)``
     sequence with ``position_ids`` restarting per row; transformers turns restarting positions
     into a block-diagonal causal mask (``masking_utils.find_packed_sequence_indices``) when no
-    attention mask is given. ``layout="padded"``: the ``(b p+t)`` batch with its attention mask
+    attention mask is given; on CUDA varlen flash attention over ``cu_seqlens`` is used instead
+    (no ``(n n)`` mask, see the module docstring). ``layout="padded"``: the ``(b p+t)`` batch with its attention mask
     and ``position_ids = cumsum(mask) - 1``.
     """
     if layout not in LAYOUTS:
@@ -94,9 +300,14 @@ def response_hidden(
         view = packed(
             {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids, "response_mask": response_mask}
         )
-        out = backbone(
-            input_ids=view.input_ids[None], position_ids=view.position_ids[None], attention_mask=None, use_cache=False
-        )
+        inputs = dict(input_ids=view.input_ids[None], position_ids=view.position_ids[None], attention_mask=None, use_cache=False)
+        if _can_use_varlen(backbone, view.input_ids.device):
+            cu = view.cu_seqlens.to(torch.int32)
+            lengths = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=view.max_seqlen, max_length_k=view.max_seqlen)
+            with _attention_implementation(backbone.config, _VARLEN_NAME):
+                out = backbone(**inputs, **lengths)
+        else:
+            out = backbone(**inputs)
         hidden = out.last_hidden_state[0]
         return hidden[view.response_index - 1], view.input_ids[view.response_index]
     ids = torch.cat([prompt_ids, response_ids], dim=1)
@@ -188,7 +399,7 @@ class LogprobModule(nn.Module):
         head = self.model.get_output_embeddings()
 
         def fn(h: torch.Tensor, y: torch.Tensor):
-            logprobs, entropy = token_logprobs(head(h), y, temperature=temperature, with_entropy=with_entropy)
+            logprobs, entropy = _fast_token_logprobs(head(h), y, temperature, with_entropy)
             return (logprobs, entropy) if with_entropy else (logprobs,)
 
         chunks = _chunked(fn, hidden, targets, chunk_tokens)
