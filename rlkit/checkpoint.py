@@ -698,6 +698,10 @@ def load(
         diff = sorted(k for k in spec if _jsonable(spec.get(k)) != _jsonable(trainer["optimizer_spec"].get(k)))
         warnings.warn(f"checkpoint {path}: the optimizer spec differs in {diff} (saved {[trainer['optimizer_spec'].get(k) for k in diff]}, "
                       f"now {[spec.get(k) for k in diff]}); the saved learning rate and schedule state are used", RuntimeWarning, stacklevel=2)
+    engine = template._cache.get("engine")
+    if engine is not None:
+        # an engine built before the load may hold a copy of the template's weights: force a sync
+        engine.policy_version = -1
     restored = template.replace(
         step=trainer["step"],
         policy_version=trainer["policy_version"],

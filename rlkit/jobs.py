@@ -61,9 +61,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=d["eval_every"])
     p.add_argument("--eval-size", type=int, default=d["eval_size"])
     p.add_argument("--out", default=None, help="directory: saves the model (save_pretrained), metrics.jsonl and summary.json")
-    p.add_argument("--resume", default=None, help="'auto' or a checkpoint directory (needs --out)")
-    p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"], help="save a checkpoint every K steps into OUT/checkpoints")
-    p.add_argument("--keep-checkpoints", type=int, default=d["keep_checkpoints"])
+    p.add_argument("--resume", default=None, help="'auto' (needs --out: the newest complete checkpoint in OUT/checkpoints, or a fresh start) "
+                   "or a checkpoint path (a step_* directory, a checkpoints directory or another run's --out); skips the warm-up")
+    p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"],
+                   help="save a checkpoint every K steps into OUT/checkpoints (with --out a SIGTERM also saves, then exits with 143)")
+    p.add_argument("--keep-checkpoints", type=int, default=d["keep_checkpoints"], help="keep the newest N checkpoints (0: all)")
     p.add_argument("--nproc-per-node", type=int, default=None, help="run data-parallel over N local processes")
     p.add_argument("--json", action="store_true", help="print one JSON summary object as the last stdout line")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -115,6 +117,7 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     from rlkit.state import init
 
     opts = _options({**(options or {}), "task": task_name})
+    resume_from = _resume_target(opts)
     t_start = time.perf_counter()
     console = Console(stderr=True, quiet=opts.quiet)
     recipe = recipes.get(opts.algo)
@@ -128,7 +131,6 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     def accuracy(m) -> float:
         return evaluate(m, tok, eval_set, task.reward, max_new_tokens=task.max_new_tokens)["accuracy"]
 
-    resume_from = _resume_target(opts)
     if resume_from is None:
         sft_sink = ConsoleSink(opts.sft_steps, "warm-up", keys=("sft/loss",), console=console) if not opts.quiet and opts.sft_steps else None
         warmup(model, tok, task.sft_examples, steps=opts.sft_steps, lr=opts.sft_lr, seed=opts.seed,

@@ -47,8 +47,10 @@ def fit(
         metrics["time/elapsed_s"] = time.perf_counter() - t_start
         if eval_fn is not None and eval_every and (state.step % eval_every == 0 or state.step == steps):
             metrics.update({f"eval/{k}": v for k, v in eval_fn(state).items()})
-        if checkpointer is not None:
-            checkpointer.maybe_save(state)
         history.append(metrics)
         broadcast(sinks, state.step, metrics)
+        if checkpointer is not None:
+            # after the sinks: a step inside a checkpoint has its metrics logged, even when this
+            # save is the last thing a preempted (SIGTERM) run does
+            checkpointer.maybe_save(state)
     return state, history

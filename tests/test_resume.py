@@ -142,3 +142,44 @@ def test_cli_kill9_then_resume_auto_equals_uninterrupted(tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs between the uninterrupted and the resumed run"
+
+
+def test_job_options_errors(tmp_path):
+    from rlkit.checkpoint import CheckpointNotFoundError
+    from rlkit.jobs import run_task
+
+    with pytest.raises(ValueError, match=r"--resume auto needs --out DIR"):
+        run_task("arithmetic", {"resume": "auto"})
+    with pytest.raises(ValueError, match=r"--checkpoint-every needs --out DIR"):
+        run_task("arithmetic", {"checkpoint_every": 5})
+    with pytest.raises(CheckpointNotFoundError, match="does not exist"):
+        run_task("arithmetic", {"resume": str(tmp_path / "missing"), "out": str(tmp_path / "o")})
+
+
+def test_job_sigterm_saves_at_step_boundary_and_exits_143(tmp_path):
+    import threading
+
+    from rlkit.checkpoint import Preempted, resolve
+    from rlkit.jobs import run_task
+
+    out = tmp_path / "run"
+    metrics = out / "metrics.jsonl"
+
+    def preempt():  # like a scheduler's SIGTERM, once the job is training
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    killer = threading.Thread(target=preempt)
+    killer.start()
+    try:
+        with pytest.raises(Preempted) as info:
+            run_task("arithmetic", {**JOB, "algo": "grpo", "kl": 0.0, "steps": 200, "checkpoint_every": 0, "out": str(out)})
+    finally:
+        killer.join()
+    assert info.value.code == 143 and signal.getsignal(signal.SIGTERM) == before
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    # saved exactly at the boundary after the last finished step, though no periodic saves were asked for
+    assert resolve(out).name == f"step_{int(logged[-1]):06d}" and logged[-1] < 200
