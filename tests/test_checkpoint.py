@@ -271,24 +271,34 @@ class _Toy(torch.nn.Module):
         return self.head(x)
 
 
-def _toy_state(seed):
+def _toy_state(seed, shard=False):
     torch.manual_seed(seed)
-    return rk.init(_Toy(), rk.optim.adamw(lr=1e-2, warmup_steps=1, total_steps=8, schedule="linear"), seed=7)
+    model = _Toy()
+    if shard:  # before the optimizer is built: it must hold the sharded parameters
+        from rlkit.parallel.fsdp import shard_model
+
+        shard_model(model)
+    return rk.init(model, rk.optim.adamw(lr=1e-2, warmup_steps=1, total_steps=8, schedule="linear"), seed=7)
 
 
-def _save_on_two_ranks(directory):
-    """Worker: FSDP2-shard the toy model over 2 ranks, take 2 steps on rank-specific data, save."""
+def _full(state):
+    params = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.actor.state_dict().items()}
+    moments = {name: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in state.optimizer.state[p].items()}
+               for name, p in state.actor.named_parameters()}
+    return params, moments
+
+
+def _save_on_two_ranks(directory, saved_on_one):
+    """Worker: FSDP2-shard the toy model over 2 ranks, take 2 steps on rank-specific data, save;
+    then load ``saved_on_one`` (a 1-process checkpoint) into a fresh sharded state."""
     import torch.distributed as dist
 
-    from rlkit.parallel.fsdp import shard_model
     from rlkit.parallel.mesh import init_distributed, shutdown
 
     init_distributed()
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = _Toy()
-    shard_model(model)
-    state = rk.init(model, rk.optim.adamw(lr=1e-2, warmup_steps=1, total_steps=8, schedule="linear"), seed=7)
+    state = _toy_state(seed=0, shard=True)
+    model = state.actor
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1 + rank))
     for _ in range(2):
         state.optimizer.zero_grad()
@@ -299,24 +309,41 @@ def _save_on_two_ranks(directory):
     torch.manual_seed(100 + rank)  # every rank's global RNG differs: each must be saved
     rng = torch.get_rng_state()
     path = ck.save(state, directory)
-    params = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    moments = {name: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in state.optimizer.state[p].items()}
-               for name, p in model.named_parameters()}
+    params, moments = _full(state)
     lr = state.lr
+    template = _toy_state(seed=2, shard=True)
+    loaded = ck.load(template, saved_on_one)
+    loaded_full = (*_full(loaded), loaded.lr, loaded.step)
     shutdown()
-    return str(path), params, moments, rng, lr
+    return str(path), params, moments, rng, lr, loaded_full
 
 
 @pytest.mark.distributed
-def test_saved_on_two_fsdp_ranks_loads_on_one_process(tmp_path):
+def test_saved_on_two_fsdp_ranks_loads_on_one_process_and_back(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     from rlkit.parallel.local import run_local
 
-    results = run_local(_save_on_two_ranks, 2, str(tmp_path), timeout=180)
-    path, params, moments, rng, lr = results[0]
+    one = _toy_state(seed=3)
+    x = torch.randn(4, 5)
+    for _ in range(3):
+        one.optimizer.zero_grad()
+        one.actor(x).pow(2).sum().backward()
+        one.optimizer.step()
+        one.scheduler.step()
+    one = one.replace(step=3)
+    saved_on_one = ck.save(one, tmp_path / "one")
+    results = run_local(_save_on_two_ranks, 2, str(tmp_path / "two"), str(saved_on_one), timeout=180)
+    path, params, moments, rng, lr, _ = results[0]
     assert results[1][0] == path
-    meta = json.loads((tmp_path / "step_000002" / ck.META).read_text())
+    # 1 process -> 2 FSDP ranks: every rank holds exactly the saved values (gathered here)
+    want_params, want_moments = _full(one)
+    for rank, result in enumerate(results):
+        got_params, got_moments, got_lr, got_step = result[-1]
+        assert got_step == 3 and got_lr == one.lr, rank
+        assert all(torch.equal(got_params[k], want_params[k]) for k in want_params), rank
+        assert all(torch.equal(got_moments[n][k], want_moments[n][k]) for n in want_moments for k in want_moments[n]), rank
+    meta = json.loads((tmp_path / "two" / "step_000002" / ck.META).read_text())
     assert meta["world_size"] == 2 and meta["models"]["actor"]["parameters"]["layers.0.weight"] == [7, 5]
     keys = set(FileSystemReader(path).read_metadata().state_dict_metadata)
     assert {"rng.rank0", "rng.rank1", "trainer"} <= keys
