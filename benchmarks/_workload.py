@@ -1,0 +1,97 @@
+"""The benchmark workloads: model shape, prompts, reward and GRPO settings, shared by rlkit and TRL.
+
+Two presets (issue 5):
+
+- ``qwen2.5-0.5b``: Qwen2.5-0.5B's shape with random init in bf16 (a random model costs what a
+  trained one does and needs no download); 32 prompts x 8 samples = 256 responses, prompt 64
+  tokens, response exactly 256 tokens (EOS ignored), old-policy and reference log-probs
+  (beta 0.04), one update epoch.
+- ``cpu``: Qwen2 shape with hidden 128, 2 layers, 4 heads, intermediate 512 and a character
+  vocabulary, float32 on CPU; 8 prompts x 8 samples, up to 16 new tokens (EOS stops), beta 0.
+
+Both sides get the same tokenizer, prompts and reward function, so they do the same work.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    n_prompts: int
+    n: int  # samples per prompt
+    prompt_tokens: int  # exact for the word vocabulary, approximate (characters) for the char one
+    max_new_tokens: int
+    ignore_eos: bool
+    beta: float  # KL coefficient: > 0 means a reference log-prob pass
+    old_logprobs: bool  # recompute old-policy log-probs before the update (verl's recompute)
+    micro_batch: int  # update micro-batch rows (gradient accumulation over the rest)
+    logprob_micro_batch: int | None  # rows per forward-only log-prob pass (None: all at once)
+    dtype: torch.dtype
+    lr: float = 1e-6
+
+    @property
+    def rows(self) -> int:
+        return self.n_prompts * self.n
+
+
+PRESETS = {
+    "qwen2.5-0.5b": Workload(
+        "qwen2.5-0.5b", n_prompts=32, n=8, prompt_tokens=64, max_new_tokens=256, ignore_eos=True, beta=0.04,
+        old_logprobs=True, micro_batch=64, logprob_micro_batch=128, dtype=torch.bfloat16,
+    ),
+    "cpu": Workload(
+        "cpu", n_prompts=8, n=8, prompt_tokens=8, max_new_tokens=16, ignore_eos=False, beta=0.0,
+        old_logprobs=False, micro_batch=64, logprob_micro_batch=None, dtype=torch.float32,
+    ),
+}
+
+CPU_ALPHABET = "0123456789+= "
+
+
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer of exactly ``vocab_size`` ids: specials 0-3, then ``t4 .. t{V-1}``,
+    split on whitespace, so a prompt of ``k`` words is ``k`` tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3}
+    vocab.update({f"t{i}": i for i in range(4, vocab_size)})
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+        padding_side="left", clean_up_tokenization_spaces=False,
+    )
+
+
+def build(preset: str, device: torch.device, seed: int = 0):
+    """``(workload, model, tokenizer, prompt_texts)``: a fresh random model on ``device``."""
+    from rlkit.models import tiny
+    from rlkit.models.tokenizers import char_tokenizer
+
+    wl = PRESETS[preset]
+    rng = random.Random(seed)
+    if preset == "cpu":
+        tok = char_tokenizer(CPU_ALPHABET)
+        model = tiny(tok, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                     intermediate_size=512, seed=seed, dtype=wl.dtype)
+        texts = [f"{rng.randint(10, 99)}+{rng.randint(10, 99)}=" for _ in range(wl.n_prompts)]
+    else:
+        tok = word_tokenizer(151936)
+        model = tiny(tok, size="qwen2.5-0.5b", seed=seed, dtype=wl.dtype)
+        texts = [" ".join(f"t{rng.randrange(4, 151936)}" for _ in range(wl.prompt_tokens)) for _ in range(wl.n_prompts)]
+    return wl, model.to(device), tok, texts
+
+
+def reward(completions, **kwargs) -> list[float]:
+    """A TRL-style reward (``f(completions, **columns)``): cheap, and varied within a group."""
+    return [float(sum(ord(c) for c in text) % 7) / 6.0 for text in completions]
+
+
+def param_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

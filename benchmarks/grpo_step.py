@@ -1,0 +1,461 @@
+"""One GRPO step of rlkit, timed phase by phase: rollout, log-prob passes, update (and TRL's, with --compare trl).
+
+    python benchmarks/grpo_step.py --preset qwen2.5-0.5b --device cuda --compare trl
+    python benchmarks/grpo_step.py --preset cpu --device cpu --compare trl
+
+A step is ``rollout -> score -> advantage("grpo") -> [old log-probs] -> [ref log-probs] ->
+update("ppo_clip", kl=("low_var_kl", beta))`` through rlkit's public transforms, with the
+built-in engine (``rollout`` syncs its weights first: after each update that is the engine's
+``load_weights``, timed as ``weight_sync_s``). Prints a table and one line ``RESULT_JSON {...}``.
+
+FLOP convention (issue 5): training = 6 x params x tokens, a forward-only pass = 2 x params x
+tokens, tokens = every real prompt+response token; the ceiling is a measured 8192^3 bf16 matmul.
+``--variants`` (GPU) also times engine and log-prob variants; ``--check`` (GPU) compares the
+fast paths against the plain ones first.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _workload import PRESETS, build, param_count, reward  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Clock:
+    """Wall time of phases, synchronising the device at each boundary."""
+
+    def __init__(self, device):
+        self.device, self.times = device, {}
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        _sync(self.device)
+        t0 = time.perf_counter()
+        yield
+        _sync(self.device)
+        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+
+def measure_ceilings(device) -> dict:
+    """bf16 matmul TFLOP/s (8192^3, random data) and device copy GB/s (read + write)."""
+    n = 8192
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    _sync(device)
+    tflops = 2 * n**3 * 10 / (start.elapsed_time(end) / 1e3) / 1e12
+    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device=device).normal_()
+    y = torch.empty_like(x)
+    y.copy_(x)
+    start.record()
+    for _ in range(5):
+        y.copy_(x)
+    end.record()
+    _sync(device)
+    gbps = 2 * x.numel() * 2 * 5 / (start.elapsed_time(end) / 1e3) / 1e9
+    del a, b, x, y
+    torch.cuda.empty_cache()
+    return {"bf16_matmul_tflops": tflops, "copy_gbps": gbps}
+
+
+def _masked_mean(x, mask):
+    return float((x * mask).sum() / mask.sum().clamp(min=1))
+
+
+def grpo_step(state, prompts, wl, device):
+    """One step through rlkit's transforms; returns ``(state, phase times, metrics)``."""
+    from rlkit.transforms.advantage import advantage
+    from rlkit.transforms.forward import compute_old_logprobs, compute_ref_logprobs
+    from rlkit.transforms.rollout import rollout, rollout_metrics
+    from rlkit.transforms.score import score
+    from rlkit.transforms.update import update
+
+    clock = Clock(device)
+    extra = {}
+    with clock("step"):
+        with clock("rollout"):
+            batch = rollout(state, prompts, n=wl.n, max_new_tokens=wl.max_new_tokens, ignore_stop=wl.ignore_eos)
+        with clock("score_advantage"):
+            batch = advantage(score(batch, reward), "grpo")
+        if wl.old_logprobs:
+            with clock("old_logprobs"):
+                batch = compute_old_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
+            mask = batch["response_mask"].float()
+            diff = batch["old_logprobs"] - batch["logprobs"]
+            extra["behaviour_gap_mean_abs"] = _masked_mean(diff.abs(), mask)
+            extra["behaviour_clipfrac"] = _masked_mean(((diff.exp() - 1).abs() > 0.2).float(), mask)
+        if wl.beta:
+            with clock("ref_logprobs"):
+                batch = compute_ref_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
+        with clock("update"):
+            state, metrics = update(state, batch, loss="ppo_clip", kl=("low_var_kl", wl.beta) if wl.beta else None,
+                                    micro_batch_size=wl.micro_batch)
+    tokens = batch["prompt_mask"].sum() + batch["response_mask"].sum()
+    metrics = {**rollout_metrics(batch), **metrics, **extra, "tokens_total": float(tokens),
+               "tokens_generated": float(batch["response_mask"].sum())}
+    return state, clock.times, metrics
+
+
+# ------------------------------------------------------------------------------------- checks
+
+
+def run_checks(model, tok, wl, device) -> dict:
+    """Fast paths vs plain ones on this device (fresh random inputs each)."""
+    from rlkit.engines import SamplingParams, TorchEngine
+    from rlkit.engines import torch_engine as te
+    from rlkit.batch import make_batch
+    from rlkit.models import logprobs as L
+    from rlkit.models import response_logprobs, token_logprobs
+
+    out = {}
+    # 1. fused sampler: greedy == argmax, log-probs == log_softmax, sample frequencies == softmax
+    vocab = model.config.vocab_size
+    logits = (torch.randn(256, vocab, device=device) * 3).to(torch.bfloat16)
+    sampler = te._make_sampler(256, vocab, device)
+    sampler.seed.fill_(1234)
+    step = torch.zeros((), dtype=torch.long, device=device)
+    tokens, lp = te.fused_sample(logits, sampler, step, 0.0)
+    ref = logits.float().log_softmax(-1)
+    out["sampler_greedy_equal"] = bool(torch.equal(tokens, logits.float().argmax(-1)))
+    out["sampler_greedy_lp_err"] = float((lp - ref.gather(-1, tokens[:, None]).squeeze(-1)).abs().max())
+    tokens, lp = te.fused_sample(logits, sampler, step, 0.7)
+    ref = (logits.float() / 0.7).log_softmax(-1)
+    out["sampler_t07_lp_err"] = float((lp - ref.gather(-1, tokens[:, None]).squeeze(-1)).abs().max())
+    rows, small = 200_000, 64
+    row = torch.randn(small, device=device) * 1.5
+    sampler = te._make_sampler(rows, small, device)
+    sampler.seed.fill_(99)
+    tokens, _ = te.fused_sample(row.expand(rows, small).contiguous(), sampler, step, 1.3)
+    probs = torch.softmax(row.double() / 1.3, -1)
+    freq = torch.bincount(tokens, minlength=small).double() / rows
+    z = (freq - probs).abs() / torch.sqrt(probs * (1 - probs) / rows)
+    out["sampler_freq_max_sigma"] = float(z.max())
+
+    # 2. engine: default (graphs + fused weights + Triton sampler) vs plain eager, greedy
+    prompts = [[int(t) for t in torch.randint(4, vocab, (wl.prompt_tokens,))] for _ in range(8)]
+    params = SamplingParams(n=4, max_new_tokens=48, temperature=0, ignore_stop=True)
+    fast = TorchEngine.from_model(model).generate(prompts, params)
+    plain = TorchEngine.from_model(model, cuda_graphs=False, fuse=False, fused_sampling=False).generate(prompts, params)
+    same = (fast.response_ids == plain.response_ids).float()
+    out["engine_greedy_token_agreement"] = float(same.mean())
+    first_diff = (same.cumprod(-1).sum(-1)).float()
+    out["engine_greedy_first_divergence_mean"] = float(first_diff.mean())
+    # behaviour log-probs of the fast engine vs the training forward on its own tokens
+    batch = make_batch([prompts[i] for i in fast.prompt_index.tolist()], [r.tolist() for r in fast.response_ids.cpu()])
+    args = [batch[k].to(device) for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+    with torch.no_grad():
+        train_lp, _ = response_logprobs(model, *args)
+    out["engine_vs_training_lp_mean_abs"] = float((train_lp - fast.logprobs).abs().mean())
+
+    # 3. log-probs: varlen + Triton vs padded layout + torch log-softmax, values and gradients
+    lens = torch.randint(8, 64, (16,)).tolist()
+    responses = [[int(t) for t in torch.randint(4, vocab, (n,))] for n in lens]
+    batch = make_batch([prompts[i % 8][: 10 + i] for i in range(16)], responses)
+    args = [batch[k].to(device) for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+    weights = torch.randn(args[3].shape, device=device)
+    grads = {}
+    for name, (varlen, fused, layout) in {"fast": (True, True, "packed"), "plain": (False, False, "padded")}.items():
+        L.USE_VARLEN_ATTENTION, L.USE_FUSED_LOGPROBS = varlen, fused
+        model.zero_grad(set_to_none=True)
+        lp, ent = response_logprobs(model, *args, with_entropy=True, layout=layout)
+        ((lp * weights).sum() + ent.sum() * 0.1).backward()
+        grads[name] = (lp.detach(), ent.detach(), torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None]))
+    L.USE_VARLEN_ATTENTION = L.USE_FUSED_LOGPROBS = True
+    model.zero_grad(set_to_none=True)
+    out["logprobs_fast_vs_plain_max_abs"] = float((grads["fast"][0] - grads["plain"][0]).abs().max())
+    out["entropy_fast_vs_plain_max_abs"] = float((grads["fast"][1] - grads["plain"][1]).abs().max())
+    g1, g2 = grads["fast"][2], grads["plain"][2]
+    out["grad_fast_vs_plain_rel"] = float((g1 - g2).norm() / g2.norm())
+    # Triton kernel alone vs float64 reference
+    x = (torch.randn(512, vocab, device=device) * 2).to(torch.bfloat16).requires_grad_(True)
+    y = torch.randint(0, vocab, (512,), device=device)
+    lp, ent = L._FusedTokenLogprobs.apply(x, y, 0.9)
+    x64 = x.detach().double().requires_grad_(True)
+    rlp, rent = token_logprobs(x64, y, temperature=0.9, with_entropy=True)
+    a, b = torch.randn(512, device=device), torch.randn(512, device=device)
+    (lp * a + ent * b).sum().backward()
+    (rlp * a.double() + rent * b.double()).sum().backward()
+    out["kernel_lp_max_abs"] = float((lp.double() - rlp).abs().max())
+    out["kernel_ent_max_abs"] = float((ent.double() - rent).abs().max())
+    out["kernel_grad_rel"] = float((x.grad.double() - x64.grad).norm() / x64.grad.norm())
+    out["kernel_grad_rel_bf16_floor"] = float((x64.grad.to(torch.bfloat16).double() - x64.grad).norm() / x64.grad.norm())
+    del x, x64, logits
+    torch.cuda.empty_cache()
+    return out
+
+
+# ----------------------------------------------------------------------------------- variants
+
+
+def run_variants(model, state, prompts, wl, device, n_params) -> dict:
+    """Engine configurations, and the log-prob pass with each fast path on/off."""
+    from rlkit.engines import SamplingParams, TorchEngine
+    from rlkit.models import logprobs as L
+    from rlkit.transforms.forward import compute_old_logprobs
+    from rlkit.transforms.rollout import rollout
+
+    res = {"engine": {}, "logprobs": {}}
+    ids = prompts.ids
+    configs = [
+        ("eager (no graphs, unfused, torch sampling)", dict(cuda_graphs=False, fuse=False, fused_sampling=False), wl.n),
+        ("graphs, whole cache", dict(fuse=False, fused_sampling=False, cache_bucket=10**9), wl.n),
+        ("graphs", dict(fuse=False, fused_sampling=False), wl.n),
+        ("graphs + fused qkv/gate-up", dict(fused_sampling=False), wl.n),
+        ("graphs + fused + Triton sampler (default)", {}, wl.n),
+        ("default, bucket 32", dict(cache_bucket=32), wl.n),
+        ("default, bucket 128", dict(cache_bucket=128), wl.n),
+        ("default, batch 512", {}, 2 * wl.n),
+    ]
+    for name, kw, n in configs:
+        try:
+            eng = TorchEngine.from_model(model, **kw)
+            params = SamplingParams(n=n, max_new_tokens=wl.max_new_tokens, temperature=1.0, ignore_stop=True)
+            gen = torch.Generator(device=device).manual_seed(0)
+            eng.generate(ids, params, generator=gen)  # warm-up: kernels, graph captures
+            _sync(device)
+            best = None
+            for _ in range(2):
+                t0 = time.perf_counter()
+                out = eng.generate(ids, params, generator=gen)
+                _sync(device)
+                dt = time.perf_counter() - t0
+                best = dt if best is None else min(best, dt)
+            tokens = float(out.response_mask.sum())
+            res["engine"][name] = {"seconds": best, "tokens_per_s": tokens / best, "rows": out.response_ids.shape[0],
+                                   "ms_per_decode_step": 1e3 * (best - out.metrics["prefill_seconds"]) / max(1, wl.max_new_tokens - 1),
+                                   "prefill_s": out.metrics["prefill_seconds"]}
+            print(f"  engine {name:45s} {tokens / best:10.0f} tok/s  {best:.3f}s", flush=True)
+            eng.release()
+            del eng, out
+        except Exception as exc:  # noqa: BLE001 - a failing variant is reported, the rest still run
+            res["engine"][name] = {"error": repr(exc)}
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+
+    batch = rollout(state, prompts, n=wl.n, max_new_tokens=wl.max_new_tokens, ignore_stop=wl.ignore_eos)
+    tokens = float(batch["prompt_mask"].sum() + batch["response_mask"].sum())
+    reference = None
+    for name, varlen, fused, micro in [
+        ("varlen + Triton log-softmax, 256 rows/pass", True, True, None),
+        ("varlen + Triton log-softmax, 128 rows/pass", True, True, 128),
+        ("varlen, torch log-softmax, 128 rows/pass", True, False, 128),
+        ("dense packed mask + torch log-softmax, 32 rows/pass", False, False, 32),
+    ]:
+        L.USE_VARLEN_ATTENTION, L.USE_FUSED_LOGPROBS = varlen, fused
+        try:
+            torch.cuda.reset_peak_memory_stats()
+            compute_old_logprobs(state, batch, micro_batch_size=micro)
+            _sync(device)
+            t0 = time.perf_counter()
+            lp = compute_old_logprobs(state, batch, micro_batch_size=micro)["old_logprobs"]
+            _sync(device)
+            dt = time.perf_counter() - t0
+            reference = lp if reference is None else reference
+            tf = 2 * n_params * tokens / dt / 1e12
+            res["logprobs"][name] = {"seconds": dt, "tflops": tf, "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
+                                     "max_abs_vs_first": float((lp - reference).abs().max())}
+            print(f"  logprobs {name:50s} {dt:.3f}s {tf:6.1f} TFLOP/s", flush=True)
+        except Exception as exc:  # noqa: BLE001
+            res["logprobs"][name] = {"error": repr(exc)}
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+    L.USE_VARLEN_ATTENTION = L.USE_FUSED_LOGPROBS = True
+    return res
+
+
+# --------------------------------------------------------------------------------------- main
+
+
+def summarize(wl, times_list, metrics_list, n_params, ceilings, device) -> dict:
+    med = {k: statistics.median(t[k] for t in times_list) for k in times_list[0]}
+    m = metrics_list[-1]
+    tokens, generated = m["tokens_total"], m["tokens_generated"]
+    out = {
+        "preset": wl.name,
+        "device": str(device),
+        "params": n_params,
+        "rows": wl.rows,
+        "tokens_total": tokens,
+        "tokens_generated": generated,
+        "step_seconds_median": med["step"],
+        "step_seconds_all": [t["step"] for t in times_list],
+        "phase_seconds_median": med,
+        "rollout_tokens_per_s": generated / statistics.median(mm["rollout/seconds"] for mm in metrics_list),
+        "rollout_call_tokens_per_s": generated / med["rollout"],
+        "responses_per_s": wl.rows / med["step"],
+        "generated_tokens_per_s_step": generated / med["step"],
+        "weight_sync_s": statistics.median(mm.get("sync/seconds", 0.0) for mm in metrics_list),
+        "weight_sync_bytes": metrics_list[-1].get("sync/bytes", 0.0) + metrics_list[-1].get("sync/fused_bytes", 0.0),
+        "logprob_gap_mean_abs": statistics.median(mm.get("actor/logprob_gap", float("nan")) for mm in metrics_list),
+        "logprob_gap_max": max(mm.get("actor/logprob_gap_max", float("nan")) for mm in metrics_list),
+        "clipfrac_step1": metrics_list[0].get("actor/clipfrac"),
+        "clipfrac_vs_behaviour_step1": metrics_list[0].get("behaviour_clipfrac"),
+    }
+    update_flops = 6 * n_params * tokens
+    out["update_tflops"] = update_flops / med["update"] / 1e12
+    for name in ("old_logprobs", "ref_logprobs"):
+        if name in med:
+            out[f"{name}_s"] = med[name]
+            out[f"{name}_tflops"] = 2 * n_params * tokens / med[name] / 1e12
+    if ceilings:
+        c = ceilings["bf16_matmul_tflops"]
+        out["ceiling"] = ceilings
+        out["update_pct_ceiling"] = 100 * out["update_tflops"] / c
+        for name in ("old_logprobs", "ref_logprobs"):
+            if f"{name}_tflops" in out:
+                out[f"{name}_pct_ceiling"] = 100 * out[f"{name}_tflops"] / c
+    return out
+
+
+def print_table(res: dict, trl: dict | None) -> None:
+    rows = [
+        ("step time (median)", f"{res['step_seconds_median']:.3f} s"),
+        ("  rollout (generate + sync + batch)", f"{res['phase_seconds_median']['rollout']:.3f} s"),
+    ]
+    for k in ("old_logprobs", "ref_logprobs"):
+        if k in res["phase_seconds_median"]:
+            pct = f", {res[k + '_pct_ceiling']:.0f}% of ceiling" if k + "_pct_ceiling" in res else ""
+            rows.append((f"  {k.replace('_', ' ')} pass", f"{res[k + '_s']:.3f} s ({res[k + '_tflops']:.1f} TFLOP/s{pct})"))
+    pct = f", {res['update_pct_ceiling']:.0f}% of ceiling" if "update_pct_ceiling" in res else ""
+    rows += [
+        ("  update (fwd+bwd+AdamW)", f"{res['phase_seconds_median']['update']:.3f} s ({res['update_tflops']:.1f} TFLOP/s{pct})"),
+        ("rollout tokens/s (engine)", f"{res['rollout_tokens_per_s']:,.0f}"),
+        ("weight sync", f"{res['weight_sync_s'] * 1e3:.2f} ms ({res['weight_sync_bytes'] / 1e9:.3f} GB)"),
+        ("responses/s (whole step)", f"{res['responses_per_s']:,.1f}"),
+        ("log-prob gap rollout vs training", f"mean {res['logprob_gap_mean_abs']:.2e}, max {res['logprob_gap_max']:.2e}"),
+        ("clip fraction, step 1", f"{res['clipfrac_step1']}"),
+    ]
+    if res.get("clipfrac_vs_behaviour_step1") is not None:
+        rows.append(("clip fraction vs behaviour, step 1", f"{res['clipfrac_vs_behaviour_step1']:.4f}"))
+    if res.get("peak_memory_gb") is not None:
+        rows.append(("peak GPU memory", f"{res['peak_memory_gb']:.1f} GB"))
+    if trl:
+        rows += [
+            ("TRL GRPOTrainer step (median)", f"{trl['step_seconds_median']:.3f} s (first {trl['first_step_seconds']:.1f} s)"),
+            ("TRL responses/s", f"{trl['responses_per_s']:,.1f}"),
+        ]
+        if trl.get("peak_memory_gb") is not None:
+            rows.append(("TRL peak GPU memory", f"{trl['peak_memory_gb']:.1f} GB"))
+        rows.append(("speed-up vs TRL (step time)", f"{trl['step_seconds_median'] / res['step_seconds_median']:.1f}x"))
+    width = max(len(r[0]) for r in rows)
+    print("\n" + "-" * (width + 40))
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    print("-" * (width + 40))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when available)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps after the warm-up step(s)")
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--compare", choices=["trl"], default=None)
+    ap.add_argument("--trl-steps", type=int, default=None)
+    ap.add_argument("--variants", action="store_true", help="GPU: time engine and log-prob variants")
+    ap.add_argument("--check", action="store_true", help="GPU: compare fast paths with plain ones first")
+    ap.add_argument("--json", default=None, help="also write the result JSON here")
+    args = ap.parse_args(argv)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    gpu = device.type == "cuda"
+    steps = args.steps if args.steps is not None else (3 if gpu else 10)
+    warmup = args.warmup if args.warmup is not None else (1 if gpu else 2)
+
+    from rlkit.data import as_prompts
+    from rlkit.optim import adamw
+    from rlkit.state import init
+
+    result = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import transformers
+
+        result["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    ceilings = None
+    if gpu:
+        result["gpu"] = torch.cuda.get_device_name(device)
+        ceilings = measure_ceilings(device)
+        print(f"ceilings: {ceilings}", flush=True)
+    else:
+        result["cpu_threads"] = torch.get_num_threads()
+    wl, model, tok, texts = build(args.preset, device)
+    n_params = param_count(model)
+    state = init(model, adamw(lr=wl.lr), tokenizer=tok, ref="copy" if wl.beta else None)
+    prompts = as_prompts(texts, tok)
+
+    if args.check and gpu:
+        try:
+            result["checks"] = run_checks(model, tok, wl, device)
+        except Exception as exc:  # noqa: BLE001
+            result["checks"] = {"error": repr(exc)}
+            traceback.print_exc()
+        print("checks:", json.dumps(result["checks"]), flush=True)
+    if args.variants and gpu:
+        result["variants"] = run_variants(model, state, prompts, wl, device, n_params)
+
+    times, metrics = [], []
+    for i in range(warmup + steps):
+        if gpu and i == warmup:
+            torch.cuda.reset_peak_memory_stats(device)
+        state, t, m = grpo_step(state, prompts, wl, device)
+        print(f"step {i}: " + ", ".join(f"{k} {v:.3f}s" for k, v in t.items()), flush=True)
+        if i >= warmup:
+            times.append(t)
+            metrics.append(m)
+    res = summarize(wl, times, metrics, n_params, ceilings, device)
+    if gpu:
+        res["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    result.update(res)
+
+    trl = None
+    if args.compare == "trl":
+        del state, model
+        if gpu:
+            torch.cuda.empty_cache()
+        trl_steps = args.trl_steps if args.trl_steps is not None else (4 if gpu else 8)
+        cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "trl_compare.py"),
+               "--preset", args.preset, "--device", str(device), "--steps", str(trl_steps)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TRL_JSON ")]
+        if lines:
+            trl = json.loads(lines[-1][len("TRL_JSON "):])
+            result["trl"] = trl
+            result["speedup_vs_trl"] = trl["step_seconds_median"] / result["step_seconds_median"]
+        else:
+            result["trl"] = {"error": (proc.stderr or proc.stdout)[-3000:]}
+            print("TRL failed:\n" + result["trl"]["error"], flush=True)
+    print_table(result, trl)
+    line = json.dumps(result, default=float)
+    print("RESULT_JSON " + line, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(line + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
