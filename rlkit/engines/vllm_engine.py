@@ -58,6 +58,9 @@ __all__ = ["VLLMEngine", "StaleEngineError", "trainer_logprobs", "probe_sequence
 #: default bytes per ``reload_weights`` call (a decoder layer larger than this goes alone)
 DEFAULT_BUCKET_BYTES = 512 << 20
 
+#: vLLM decodes greedily below this temperature (its _SAMPLING_EPS), so rlkit does too
+GREEDY_BELOW = 1e-5
+
 #: KV cache on CPU when none is given (vLLM's own default takes 90% of the machine's memory)
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
 
@@ -511,7 +514,7 @@ class VLLMEngine:
             stop_token_ids=[] if params.ignore_stop else [int(t) for t in params.stop_token_ids],
             detokenize=False,
         )
-        if params.temperature == 0:
+        if params.temperature < GREEDY_BELOW:
             # vLLM refuses n > 1 for greedy requests: send each prompt n times instead.
             requests = [p for p in prompts for _ in range(n)]
             sampling = VSamplingParams(n=1, temperature=0.0, **common)
