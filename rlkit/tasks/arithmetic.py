@@ -19,6 +19,15 @@ def _answer(a: int, b: int, op: str) -> int:
     return a + b if op == "+" else a - b if op == "-" else a * b
 
 
+def forgot_carry(a: int, b: int) -> int:
+    """The classic slip of a weak teacher: add digit by digit, dropping every carry (57+68 -> 15)."""
+    out, place = 0, 1
+    while a or b:
+        out += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return out
+
+
 def arithmetic(
     digits: int = 2,
     ops: str | tuple[str, ...] = "+",
@@ -27,12 +36,19 @@ def arithmetic(
     n_test: int = 200,
     seed: int = 1234,
     n_sft: int | None = None,
+    teacher_error: float = 0.0,
 ) -> Task:
     """Arithmetic on random ``digits``-digit operands. ``ops`` any of ``+ - *``.
 
     The test set is disjoint from the training set. ``sft_examples`` (for the warm-up) come
-    from the training set.
+    from the training set, demonstrated by a teacher that, on additions that need a carry,
+    forgets the carry with probability ``teacher_error`` (``0``: a perfect teacher). The reward
+    always checks the true answer: the default job uses an imperfect teacher so the warm-up
+    learns a mixture of right and wrong behaviour, and RL against the verifier has to pick the
+    right one — the situation RL post-training is for.
     """
+    if not 0.0 <= teacher_error <= 1.0:
+        raise ValueError(f"teacher_error must be in [0, 1], got {teacher_error}")
     from rlkit.models.tokenizers import char_tokenizer
 
     ops = tuple(ops)
@@ -56,13 +72,21 @@ def arithmetic(
     tokenizer = char_tokenizer(ALPHABET)
     max_answer = max(len(r["answer"]) for r in rows)
     sft_rows = train_rows if n_sft is None else train_rows[:n_sft]
+    teacher = random.Random(seed + 1)
+
+    def demonstrate(prompt: str, answer: str) -> str:
+        if "+" not in prompt or teacher.random() >= teacher_error:
+            return answer
+        a, b = (int(x) for x in prompt[:-1].split("+"))
+        return str(forgot_carry(a, b))
+
     return Task(
         name="arithmetic",
         tokenizer=tokenizer,
         train=load_prompts(train_rows, tokenizer),
         test=load_prompts(test_rows, tokenizer),
         reward=exact_match,
-        sft_examples=[(r["prompt"], r["answer"]) for r in sft_rows],
+        sft_examples=[(r["prompt"], demonstrate(r["prompt"], r["answer"])) for r in sft_rows],
         max_new_tokens=max_answer + 2,
-        info={"digits": digits, "ops": "".join(ops)},
+        info={"digits": digits, "ops": "".join(ops), "teacher_error": teacher_error},
     )
