@@ -156,13 +156,18 @@ def set_gradient_reduction(model: nn.Module, mode: Literal["mean", "sum"]) -> No
     if mode not in ("mean", "sum"):
         raise ValueError(f"gradient reduction mode {mode!r}; use 'mean' or 'sum'")
     for unit in fsdp_modules(model):
+        # torch < 2.8 names it set_reduce_scatter_divide_factor
+        set_factor = getattr(unit, "set_gradient_divide_factor", None) or unit.set_reduce_scatter_divide_factor
+        force_sum = getattr(unit, "set_force_sum_reduction_for_comms", None)
         if mode == "sum":
-            unit.set_gradient_divide_factor(1.0)
-            # SUM + a post-division by 1 instead of PREMUL_SUM(1.0), which gloo lacks.
-            unit.set_force_sum_reduction_for_comms(True)
+            set_factor(1.0)
+            if force_sum is not None:
+                # SUM + a post-division by 1 instead of PREMUL_SUM(1.0), which gloo lacks.
+                force_sum(True)
         else:
-            unit.set_gradient_divide_factor(float(_shard_group_size(unit)))
-            unit.set_force_sum_reduction_for_comms(False)
+            set_factor(float(_shard_group_size(unit)))
+            if force_sum is not None:
+                force_sum(False)
 
 
 def _shard_group_size(unit: nn.Module) -> int:

@@ -36,6 +36,7 @@ from typing import Literal, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 Style = Literal["colwise", "rowwise", "replicate"]
 
@@ -281,10 +282,13 @@ def _named_tensors(model: nn.Module | Mapping[str, torch.Tensor]) -> list[tuple[
 
 def _src_ranks_of(tensors: list[tuple[str, torch.Tensor]], layout: Layout, world_size: int) -> tuple[int, ...]:
     mesh_ranks = None
+    seen: dict[int, tuple[int, ...]] = {}  # DeviceMesh.mesh rebuilds a tensor per access: once per mesh
     for name, t in tensors:
         mesh = getattr(t, "device_mesh", None)
         if mesh is not None:
-            ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+            if id(mesh) not in seen:
+                seen[id(mesh)] = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+            ranks = seen[id(mesh)]
             if mesh.ndim != 1:
                 raise ValueError(
                     f"gather_weights: parameter {name!r} is sharded over a {mesh.ndim}-D mesh {mesh.mesh_dim_names}; "
@@ -305,8 +309,6 @@ def _src_ranks_of(tensors: list[tuple[str, torch.Tensor]], layout: Layout, world
 
 def _local_rows(name: str, t: torch.Tensor, src_index: int, n_src: int) -> torch.Tensor:
     """This training rank's row chunk of ``t`` (a FSDP Shard(0) DTensor or a full tensor)."""
-    from torch.distributed.tensor import DTensor, Shard
-
     if isinstance(t, DTensor):
         if tuple(t.placements) != (Shard(0),):
             raise ValueError(
@@ -459,11 +461,15 @@ def _all_gather_bucket(chunk, weights, src_index, n_src, group, device, report) 
     offset = 0
     for p, n in zip(chunk, padded):
         rest = math.prod(p.shape[1:])
-        target = weights[p.name].view(p.shape[0], rest)
-        for s in range(n_src):
-            lo, hi = _chunk_rows(p.shape[0], n_src, s)
-            if hi > lo:
-                target[lo:hi].copy_(recv[s, offset : offset + (hi - lo) * rest].view(hi - lo, rest))
+        rows_per_rank = n // rest if rest else 0
+        if rows_per_rank * n_src == p.shape[0]:  # even chunks: one strided copy
+            weights[p.name].view(n_src, n).copy_(recv[:, offset : offset + n])
+        else:
+            target = weights[p.name].view(p.shape[0], rest)
+            for s in range(n_src):
+                lo, hi = _chunk_rows(p.shape[0], n_src, s)
+                if hi > lo:
+                    target[lo:hi].copy_(recv[s, offset : offset + (hi - lo) * rest].view(hi - lo, rest))
         offset += n
     report.bytes += sum(p.nbytes for p in chunk)  # payload; the chunk padding is not counted
     report.bytes_sent += sum(p.local.numel() for p in chunk) * send.element_size()
