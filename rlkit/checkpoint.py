@@ -781,10 +781,13 @@ class Checkpointer:
         self._sigterm.set()
 
     def close(self) -> None:
-        """Restore the SIGTERM handler that was there before."""
-        if self._installed:
+        """Restore the SIGTERM handler that was there before (if ours is still the active one)."""
+        if not self._installed or threading.current_thread() is not threading.main_thread():
+            return
+        self._installed = False
+        # a later handler (another Checkpointer's, the user's) stays in place
+        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
             signal.signal(signal.SIGTERM, self._previous_handler if self._previous_handler is not None else signal.SIG_DFL)
-            self._installed = False
 
     def __enter__(self) -> "Checkpointer":
         return self
