@@ -255,6 +255,7 @@ class _Plan:
     warmed: set = field(default_factory=set)
     pool: Any = None
     graph_failed: bool = False
+    compiled: bool = False  # decode through the engine's torch.compile'd layer pieces
 
 
 class TorchEngine:
@@ -280,6 +281,7 @@ class TorchEngine:
         fuse: bool | None = None,
         fused_sampling: bool | None = None,
         cache_bucket: int = 64,
+        compile_decode: bool | None = None,
     ):
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED:
@@ -345,6 +347,13 @@ class TorchEngine:
         if self.fused_sampling and _sampling_kernels() is None:
             self.fused_sampling = False
         self.cache_bucket = cache_bucket
+        self._compiled = None
+        self.compile_error: str | None = None
+        if on_cuda if compile_decode is None else compile_decode:
+            # elementwise work between the matmuls (RMSNorm in float32, rotary, SiLU, residuals) is
+            # dozens of tiny kernels per layer; at decode batch sizes their launch latency, not
+            # bandwidth, sets the step time, and inductor fuses them into a few
+            self._compiled = (torch.compile(self._pre_attention, dynamic=False), torch.compile(self._post_attention, dynamic=False))
         self._plan: _Plan | None = None
         self._fused: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         if on_cuda if fuse is None else fuse:
@@ -486,18 +495,28 @@ class TorchEngine:
             gate, up = _linear(x, layer, "mlp.gate_proj"), _linear(x, layer, "mlp.up_proj")
         return _linear(self.act(gate) * up, layer, "mlp.down_proj")
 
-    def _forward(self, ids: torch.Tensor, cos, sin, attend) -> torch.Tensor:
+    def _pre_attention(self, layer: dict, x: torch.Tensor, cos, sin):
+        """input RMSNorm -> q, k, v projections -> (Qwen3 norms) -> rotary."""
+        return self._qkv(layer, _rms_norm(x, layer["input_layernorm.weight"], self.eps), cos, sin)
+
+    def _post_attention(self, layer: dict, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """o projection + residual -> post-attention RMSNorm -> MLP + residual."""
+        x = x + _linear(attn, layer, "self_attn.o_proj")
+        return x + self._mlp(layer, _rms_norm(x, layer["post_attention_layernorm.weight"], self.eps))
+
+    def _forward(self, ids: torch.Tensor, cos, sin, attend, compiled: bool = False) -> torch.Tensor:
         """Decoder over ``ids (b s)`` -> final-normed hidden ``(b s h)``.
 
         ``attend(i, q, k, v) -> (b s H*d)`` stores layer ``i``'s new keys/values in the cache
-        and attends over it."""
+        and attends over it. ``compiled``: run the per-layer pieces through ``torch.compile``
+        (one compiled graph serves every layer: the weights are its inputs)."""
+        pre, post = self._pre_attention, self._post_attention
+        if compiled and self._compiled is not None:
+            pre, post = self._compiled
         x = F.embedding(ids, self.weights["model.embed_tokens.weight"])
         for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer["input_layernorm.weight"], self.eps)
-            q, k, v = self._qkv(layer, h, cos, sin)
-            x = x + _linear(attend(i, q, k, v), layer, "self_attn.o_proj")
-            h = _rms_norm(x, layer["post_attention_layernorm.weight"], self.eps)
-            x = x + self._mlp(layer, h)
+            q, k, v = pre(layer, x, cos, sin)
+            x = post(layer, x, attend(i, q, k, v))
         return _rms_norm(x, self.weights["model.norm.weight"], self.eps)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -557,6 +576,18 @@ class TorchEngine:
         state.step += 1
 
     def _decode_step(self, plan: _Plan, length: int, params: SamplingParams, generator) -> None:
+        if not plan.compiled:
+            return self._decode_step_impl(plan, length, params, generator)
+        try:
+            return self._decode_step_impl(plan, length, params, generator)
+        except Exception as exc:  # noqa: BLE001 - a compiler failure must not stop generation
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise
+            # the failed step wrote only cache slots it rewrites and did not advance ``step``
+            self.compile_error, self._compiled, plan.compiled = repr(exc), None, False
+            return self._decode_step_impl(plan, length, params, generator)
+
+    def _decode_step_impl(self, plan: _Plan, length: int, params: SamplingParams, generator) -> None:
         """Feed the last sampled token, sample the next one, attending over cache slots ``[0, length)``.
 
         Fixed shapes and no host sync (capturable in a CUDA graph)."""
@@ -565,7 +596,9 @@ class TorchEngine:
         positions = state.prompt_lengths + state.step - 1  # (b)
         cos, sin = state.cos[positions][:, None], state.sin[positions][:, None]  # (b 1 d)
         state.key_valid.index_fill_(1, slot, True)
-        mask = state.key_valid[:, None, None, :length]  # (b 1 1 L)
+        # one additive mask per step, shared by every layer (a boolean one is converted per call)
+        valid = state.key_valid[:, None, None, :length]  # (b 1 1 L)
+        mask = torch.zeros(valid.shape, dtype=self.dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
         b, kvh, d = state.tokens.shape[0], self.num_kv_heads, self.head_dim
         groups = self.num_heads // kvh
 
@@ -582,7 +615,7 @@ class TorchEngine:
             )
             return out.reshape(b, 1, kvh * groups * d)
 
-        hidden = self._forward(state.tokens[:, None], cos, sin, attend)
+        hidden = self._forward(state.tokens[:, None], cos, sin, attend, compiled=plan.compiled)
         tokens, logprobs = self._sample_logits(hidden[:, -1], params, generator, plan)
         self._record(state, tokens, logprobs, params)
 
@@ -662,7 +695,7 @@ class TorchEngine:
         )
         vocab = self.weights["lm_head.weight"].shape[0]
         sampler = _make_sampler(b, vocab, dev) if fused_sampler else None
-        return _Plan(key=key, state=state, sampler=sampler)
+        return _Plan(key=key, state=state, sampler=sampler, compiled=self._compiled is not None)
 
     def _reset(self, plan: _Plan, prompt_mask: torch.Tensor) -> None:
         """Put a kept plan back to step 0 in place (graphs hold these addresses)."""
