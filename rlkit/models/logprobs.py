@@ -66,16 +66,31 @@ def _varlen_fn():
     return varlen_attn
 
 
+_VARLEN_OPTIONS: frozenset | None = None  # parameter names of this torch's varlen_attn
+
+
 def _varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, sliding_window=None, **kwargs):
     """A transformers attention function: ``query (1 H n d)``, ``key/value (1 kvh n d)`` of packed
-    rows with boundaries ``kwargs["cu_seq_lens_q"]`` -> ``(1 n H d)``, causal within each row."""
+    rows with boundaries ``kwargs["cu_seq_lens_q"]`` -> ``(1 n H d)``, causal within each row.
+
+    Flash attention needs bf16/fp16 inputs; in float32 (e.g. FSDP without mixed precision) it
+    falls back to SDPA with the block-diagonal causal mask built from the same boundaries."""
     cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     if cu is None or max_len is None:
         raise RuntimeError("rlkit varlen attention needs cu_seq_lens_q / max_length_q (call through rlkit.models.response_hidden)")
     if dropout or sliding_window is not None:
         raise RuntimeError(f"rlkit varlen attention supports no attention dropout ({dropout}) or sliding window ({sliding_window})")
-    varlen_attn = _varlen_fn()
-    options = inspect.signature(varlen_attn).parameters
+    groups = query.shape[1] // key.shape[1]
+    if query.dtype not in (torch.bfloat16, torch.float16):
+        n = query.shape[2]
+        pos = torch.arange(n, device=query.device)
+        row = torch.searchsorted(cu[1:].long(), pos, right=True)
+        mask = (row[:, None] == row[None, :]) & (pos[:, None] >= pos[None, :])
+        if groups > 1:
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[None, None], scale=scaling)
+        return out.transpose(1, 2), None
+    options = _VARLEN_OPTIONS or frozenset()
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (n heads d)
     kw = {}
     if "window_size" in options:  # torch >= 2.11: causal is a (-1, 0) window
@@ -87,13 +102,12 @@ def _varlen_attention(module, query, key, value, attention_mask, dropout: float 
             kw["scale"] = scaling
         elif abs(scaling - q.shape[-1] ** -0.5) > 1e-12:
             raise RuntimeError(f"this torch's varlen_attn takes no scale and the model uses {scaling}")
-    if k.shape[1] != q.shape[1]:
+    if groups > 1:
         if "enable_gqa" in options:
             kw["enable_gqa"] = True
         else:
-            groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+    out = _varlen_fn()(q, k, v, cu, cu, max_len, max_len, **kw)
     return out[None], None
 
 
@@ -105,9 +119,12 @@ def _can_use_varlen(backbone: nn.Module, device: torch.device) -> bool:
         return False
     if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
         return False
-    dtype = next(backbone.parameters()).dtype
+    global _VARLEN_OPTIONS
+    if _VARLEN_OPTIONS is None:
+        _VARLEN_OPTIONS = frozenset(inspect.signature(_varlen_fn()).parameters)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return dtype in (torch.bfloat16, torch.float16) and head_dim <= 256 and getattr(config, "_attn_implementation", None) in PACKED_ATTENTION
+    # the dtype is checked per call: under FSDP mixed precision parameters are float32 but compute is bf16
+    return head_dim <= 256 and getattr(config, "_attn_implementation", None) in PACKED_ATTENTION
 
 
 @contextlib.contextmanager
