@@ -219,12 +219,14 @@ def run_variants(model, state, prompts, wl, device, n_params) -> dict:
 
     res = {"engine": {}, "logprobs": {}}
     ids = prompts.ids
+    plain = dict(fuse=False, fused_sampling=False, compile_decode=False)
     configs = [
-        ("eager (no graphs, unfused, torch sampling)", dict(cuda_graphs=False, fuse=False, fused_sampling=False), wl.n),
-        ("graphs, whole cache", dict(fuse=False, fused_sampling=False, cache_bucket=10**9), wl.n),
-        ("graphs", dict(fuse=False, fused_sampling=False), wl.n),
-        ("graphs + fused qkv/gate-up", dict(fused_sampling=False), wl.n),
-        ("graphs + fused + Triton sampler (default)", {}, wl.n),
+        ("eager, unfused, torch sampling", dict(plain, cuda_graphs=False), wl.n),
+        ("graphs over the whole cache", dict(plain, cache_bucket=10**9), wl.n),
+        ("graphs, bucket 64", plain, wl.n),
+        ("+ fused qkv/gate-up", dict(fused_sampling=False, compile_decode=False), wl.n),
+        ("+ Triton sampler", dict(compile_decode=False), wl.n),
+        ("+ compiled layer pieces (default)", {}, wl.n),
         ("default, bucket 32", dict(cache_bucket=32), wl.n),
         ("default, bucket 128", dict(cache_bucket=128), wl.n),
         ("default, batch 512", {}, 2 * wl.n),
@@ -233,8 +235,10 @@ def run_variants(model, state, prompts, wl, device, n_params) -> dict:
         try:
             eng = TorchEngine.from_model(model, **kw)
             params = SamplingParams(n=n, max_new_tokens=wl.max_new_tokens, temperature=1.0, ignore_stop=True)
-            gen = torch.Generator(device=device).manual_seed(0)
-            eng.generate(ids, params, generator=gen)  # warm-up: kernels, graph captures
+            gen = None  # the default CUDA generator: graph-safe for the torch sampler too
+            t0 = time.perf_counter()
+            eng.generate(ids, params, generator=gen)  # warm-up: kernels, compilation, graph captures
+            warm = time.perf_counter() - t0
             _sync(device)
             best = None
             for _ in range(2):
@@ -246,8 +250,9 @@ def run_variants(model, state, prompts, wl, device, n_params) -> dict:
             tokens = float(out.response_mask.sum())
             res["engine"][name] = {"seconds": best, "tokens_per_s": tokens / best, "rows": out.response_ids.shape[0],
                                    "ms_per_decode_step": 1e3 * (best - out.metrics["prefill_seconds"]) / max(1, wl.max_new_tokens - 1),
-                                   "prefill_s": out.metrics["prefill_seconds"]}
-            print(f"  engine {name:45s} {tokens / best:10.0f} tok/s  {best:.3f}s", flush=True)
+                                   "prefill_s": out.metrics["prefill_seconds"], "first_call_s": warm,
+                                   "graphs": out.metrics.get("graphs"), "compile_error": eng.compile_error}
+            print(f"  engine {name:40s} {tokens / best:10.0f} tok/s  {best:.3f}s (first call {warm:.1f}s)", flush=True)
             eng.release()
             del eng, out
         except Exception as exc:  # noqa: BLE001 - a failing variant is reported, the rest still run
@@ -377,6 +382,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--trl-steps", type=int, default=None)
     ap.add_argument("--variants", action="store_true", help="GPU: time engine and log-prob variants")
     ap.add_argument("--check", action="store_true", help="GPU: compare fast paths with plain ones first")
+    ap.add_argument("--compile-model", action="store_true",
+                    help="after the main steps, also time steps with the HF decoder layers torch.compile'd (training side)")
     ap.add_argument("--json", default=None, help="also write the result JSON here")
     args = ap.parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
@@ -430,6 +437,30 @@ def main(argv=None) -> dict:
     if gpu:
         res["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
     result.update(res)
+
+    if args.compile_model:
+        try:
+            from rlkit.parallel.fsdp import decoder_layers
+
+            t0 = time.perf_counter()
+            for layer in decoder_layers(model):
+                layer.compile(dynamic=True)
+            ctimes, cmetrics = [], []
+            for i in range(3):
+                state, t, m = grpo_step(state, prompts, wl, device)
+                print(f"compiled-model step {i}: " + ", ".join(f"{k} {v:.3f}s" for k, v in t.items()), flush=True)
+                if i:
+                    ctimes.append(t)
+                    cmetrics.append(m)
+            cres = summarize(wl, ctimes, cmetrics, n_params, ceilings, device)
+            cres["first_step_with_compile_s"] = time.perf_counter() - t0 - sum(t["step"] for t in ctimes)
+            result["compiled_model"] = {k: cres[k] for k in cres if k in (
+                "step_seconds_median", "phase_seconds_median", "update_tflops", "update_pct_ceiling", "old_logprobs_tflops",
+                "old_logprobs_pct_ceiling", "ref_logprobs_pct_ceiling", "first_step_with_compile_s", "logprob_gap_mean_abs")}
+            print("compiled model:", json.dumps(result["compiled_model"]), flush=True)
+        except Exception as exc:  # noqa: BLE001
+            result["compiled_model"] = {"error": repr(exc)}
+            traceback.print_exc()
 
     trl = None
     if args.compare == "trl":

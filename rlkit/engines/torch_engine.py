@@ -85,6 +85,57 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
 
 
+def _pre_attention(layer: dict, x: torch.Tensor, cos, sin, shape: tuple):
+    """input RMSNorm -> q, k, v projections -> (Qwen3 q/k norms) -> rotary.
+
+    ``x (b s h)``, ``cos, sin (b s d)`` -> ``q (b H s d)``, ``k, v (b kvh s d)``. ``shape`` is
+    ``(heads, kv_heads, head_dim, eps, activation)``: plain values, so one ``torch.compile`` of
+    this function serves every layer and every engine of the same config."""
+    heads, kv_heads, head_dim, eps, _ = shape
+    x = _rms_norm(x, layer["input_layernorm.weight"], eps)
+    b, s, _ = x.shape
+    if "self_attn.qkv_proj.weight" in layer:
+        q, k, v = _linear(x, layer, "self_attn.qkv_proj").split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    else:
+        q, k, v = (_linear(x, layer, f"self_attn.{n}_proj") for n in "qkv")
+    q = q.reshape(b, s, heads, head_dim)
+    k = k.reshape(b, s, kv_heads, head_dim)
+    v = v.reshape(b, s, kv_heads, head_dim)
+    if "self_attn.q_norm.weight" in layer:  # Qwen3: RMSNorm over each head before rotary
+        q = _rms_norm(q, layer["self_attn.q_norm.weight"], eps)
+        k = _rms_norm(k, layer["self_attn.k_norm.weight"], eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    cos, sin = cos[:, None], sin[:, None]
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q, k, v
+
+
+def _post_attention(layer: dict, x: torch.Tensor, attn: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """o projection + residual -> post-attention RMSNorm -> MLP (act(gate) * up -> down) + residual."""
+    from transformers.activations import ACT2FN
+
+    eps, activation = shape[3], shape[4]
+    x = x + _linear(attn, layer, "self_attn.o_proj")
+    h = _rms_norm(x, layer["post_attention_layernorm.weight"], eps)
+    if "mlp.gate_up_proj.weight" in layer:
+        gate, up = _linear(h, layer, "mlp.gate_up_proj").chunk(2, dim=-1)
+    else:
+        gate, up = _linear(h, layer, "mlp.gate_proj"), _linear(h, layer, "mlp.up_proj")
+    act = F.silu(gate) if activation == "silu" else ACT2FN[activation](gate)
+    return x + _linear(act * up, layer, "mlp.down_proj")
+
+
+_COMPILED: tuple | None = None
+
+
+def _compiled_layer_pieces() -> tuple:
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = (torch.compile(_pre_attention, dynamic=False), torch.compile(_post_attention, dynamic=False))
+    return _COMPILED
+
+
 # ---------------------------------------------------------------------------------------------
 # Fused sampling kernels (Triton, CUDA only; built on first use so CPU never imports Triton)
 
@@ -326,9 +377,7 @@ class TorchEngine:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
-        from transformers.activations import ACT2FN
-
-        self.act = ACT2FN[config.hidden_act]
+        self._shape = (self.num_heads, self.num_kv_heads, self.head_dim, float(self.eps), str(config.hidden_act))
         self.layers = []
         for i in range(self.num_layers):
             prefix = f"model.layers.{i}."
@@ -353,7 +402,7 @@ class TorchEngine:
             # elementwise work between the matmuls (RMSNorm in float32, rotary, SiLU, residuals) is
             # dozens of tiny kernels per layer; at decode batch sizes their launch latency, not
             # bandwidth, sets the step time, and inductor fuses them into a few
-            self._compiled = (torch.compile(self._pre_attention, dynamic=False), torch.compile(self._post_attention, dynamic=False))
+            self._compiled = _compiled_layer_pieces()
         self._plan: _Plan | None = None
         self._fused: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         if on_cuda if fuse is None else fuse:
@@ -466,43 +515,11 @@ class TorchEngine:
             self._cos_sin = (cos[0], sin[0])
         return self._cos_sin
 
-    def _qkv(self, layer: dict, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Projected, normed (Qwen3) and rotated ``q (b H s d)``, ``k, v (b kvh s d)``."""
-        b, s, _ = x.shape
-        if "self_attn.qkv_proj.weight" in layer:
-            qkv = _linear(x, layer, "self_attn.qkv_proj")
-            q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1)
-        else:
-            q = _linear(x, layer, "self_attn.q_proj")
-            k = _linear(x, layer, "self_attn.k_proj")
-            v = _linear(x, layer, "self_attn.v_proj")
-        q = q.reshape(b, s, self.num_heads, self.head_dim)
-        k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
-        v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
-        if "self_attn.q_norm.weight" in layer:  # Qwen3: RMSNorm over each head before rotary
-            q = _rms_norm(q, layer["self_attn.q_norm.weight"], self.eps)
-            k = _rms_norm(k, layer["self_attn.k_norm.weight"], self.eps)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q, k, v
-
-    def _mlp(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
-        if "mlp.gate_up_proj.weight" in layer:
-            gate, up = _linear(x, layer, "mlp.gate_up_proj").chunk(2, dim=-1)
-        else:
-            gate, up = _linear(x, layer, "mlp.gate_proj"), _linear(x, layer, "mlp.up_proj")
-        return _linear(self.act(gate) * up, layer, "mlp.down_proj")
-
     def _pre_attention(self, layer: dict, x: torch.Tensor, cos, sin):
-        """input RMSNorm -> q, k, v projections -> (Qwen3 norms) -> rotary."""
-        return self._qkv(layer, _rms_norm(x, layer["input_layernorm.weight"], self.eps), cos, sin)
+        return _pre_attention(layer, x, cos, sin, self._shape)
 
     def _post_attention(self, layer: dict, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """o projection + residual -> post-attention RMSNorm -> MLP + residual."""
-        x = x + _linear(attn, layer, "self_attn.o_proj")
-        return x + self._mlp(layer, _rms_norm(x, layer["post_attention_layernorm.weight"], self.eps))
+        return _post_attention(layer, x, attn, self._shape)
 
     def _forward(self, ids: torch.Tensor, cos, sin, attend, compiled: bool = False) -> torch.Tensor:
         """Decoder over ``ids (b s)`` -> final-normed hidden ``(b s h)``.
@@ -512,7 +529,9 @@ class TorchEngine:
         (one compiled graph serves every layer: the weights are its inputs)."""
         pre, post = self._pre_attention, self._post_attention
         if compiled and self._compiled is not None:
-            pre, post = self._compiled
+            shape = self._shape
+            pre = lambda layer, x, cos, sin: self._compiled[0](layer, x, cos, sin, shape)  # noqa: E731
+            post = lambda layer, x, attn: self._compiled[1](layer, x, attn, shape)  # noqa: E731
         x = F.embedding(ids, self.weights["model.embed_tokens.weight"])
         for i, layer in enumerate(self.layers):
             q, k, v = pre(layer, x, cos, sin)
