@@ -17,8 +17,8 @@ import torch
 DEFAULTS = dict(
     task="arithmetic",
     algo="grpo",
-    steps=60,
-    sft_steps=150,
+    steps=40,
+    sft_steps=800,
     batch_size=16,
     n=8,
     lr=2e-4,
@@ -37,6 +37,7 @@ DEFAULTS = dict(
     resume=None,
     checkpoint_every=0,
     keep_checkpoints=3,
+    teacher_error=0.75,
 )
 
 
@@ -55,6 +56,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sft-lr", type=float, default=d["sft_lr"])
     p.add_argument("--kl", type=float, default=d["kl"], help="low_var_kl coefficient to a frozen reference (0: no reference)")
     p.add_argument("--temperature", type=float, default=d["temperature"])
+    p.add_argument("--teacher-error", type=float, default=d["teacher_error"],
+                   help="how often the warm-up teacher writes zero-padded answers ('046') that the verifier rejects; "
+                        "RL has to unlearn the habit (0: a perfect teacher)")
     p.add_argument("--seed", type=int, default=d["seed"])
     p.add_argument("--device", default=d["device"], help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--size", default=d["size"], help="model preset (tiny, small, ...)")
@@ -121,7 +125,7 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     t_start = time.perf_counter()
     console = Console(stderr=True, quiet=opts.quiet)
     recipe = recipes.get(opts.algo)
-    task = tasks.get(task_name)
+    task = tasks.get(task_name, **({"teacher_error": opts.teacher_error} if task_name == "arithmetic" else {}))
     device = torch.device(opts.device)
     torch.manual_seed(opts.seed)
     model = tiny(task.tokenizer, size=opts.size, seed=opts.seed).to(device)

@@ -12,6 +12,10 @@ from rlkit.rewards import exact_match
 from rlkit.tasks.base import Task
 
 ALPHABET = "0123456789+-*= "
+#: how the imperfect warm-up teacher errs (``teacher_error`` is how often):
+#: zero_pad: writes answers zero-padded to a fixed width ("046"), which the verifier rejects;
+#: random: answers a random number; forgot_carry: adds digit by digit without carrying
+TEACHER_NOISE = ("zero_pad", "random", "forgot_carry")
 OPS = ("+", "-", "*")
 
 
@@ -37,6 +41,7 @@ def arithmetic(
     seed: int = 1234,
     n_sft: int | None = None,
     teacher_error: float = 0.0,
+    teacher_noise: str = "zero_pad",
 ) -> Task:
     """Arithmetic on random ``digits``-digit operands. ``ops`` any of ``+ - *``.
 
@@ -50,6 +55,9 @@ def arithmetic(
     if not 0.0 <= teacher_error <= 1.0:
         raise ValueError(f"teacher_error must be in [0, 1], got {teacher_error}")
     from rlkit.models.tokenizers import char_tokenizer
+
+    if teacher_noise not in TEACHER_NOISE:
+        raise ValueError(f"unknown teacher_noise {teacher_noise!r}; valid: {', '.join(TEACHER_NOISE)}")
 
     ops = tuple(ops)
     bad = [o for o in ops if o not in OPS]
@@ -74,8 +82,16 @@ def arithmetic(
     sft_rows = train_rows if n_sft is None else train_rows[:n_sft]
     teacher = random.Random(seed + 1)
 
+    width = len(str(2 * hi))
+
     def demonstrate(prompt: str, answer: str) -> str:
-        if "+" not in prompt or teacher.random() >= teacher_error:
+        if teacher.random() >= teacher_error:
+            return answer
+        if teacher_noise == "zero_pad":
+            return answer.zfill(width) if not answer.startswith("-") else answer
+        if teacher_noise == "random":
+            return str(teacher.randint(0, 2 * hi))
+        if "+" not in prompt:
             return answer
         a, b = (int(x) for x in prompt[:-1].split("+"))
         return str(forgot_carry(a, b))
