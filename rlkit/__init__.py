@@ -45,6 +45,10 @@ def __getattr__(name):
         from rlkit.evaluate import evaluate
 
         return evaluate
+    if name == "Checkpointer":
+        from rlkit.checkpoint import Checkpointer
+
+        return Checkpointer
     if name in ("launch",):
         from rlkit.launch import launch
 
@@ -63,5 +67,5 @@ __all__ = [
     "rollout", "score", "advantage", "update", "concat", "rollout_metrics", "RewardError",
     "compute_old_logprobs", "compute_ref_logprobs", "compute_values",
     "algos", "optim", "models", "engines", "tasks", "recipes", "rewards", "observe",
-    "fit", "evaluate", "launch", "Pipeline", "mesh",
+    "fit", "evaluate", "launch", "Pipeline", "mesh", "Checkpointer",
 ]
