@@ -32,7 +32,12 @@ def run_trl(preset: str, device: str, steps: int) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     dev = torch.device(device)
-    wl, model, tok, texts = build(preset, dev)
+    wl, model, tok, texts = build(preset, torch.device("cpu"))
+    # TRL builds the reference model (beta > 0) from the policy's path: save the random model once
+    path = tempfile.mkdtemp(prefix="trl_model_")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    del model
     rows = wl.rows
     micro = 32 if dev.type == "cuda" else rows
     accumulation = rows // micro
@@ -57,6 +62,7 @@ def run_trl(preset: str, device: str, steps: int) -> dict:
         disable_tqdm=True,
         seed=0,
         dataloader_num_workers=0,
+        model_init_kwargs={"dtype": wl.dtype, "attn_implementation": "sdpa"},
     )
     times: list[float] = []
 
@@ -71,7 +77,7 @@ def run_trl(preset: str, device: str, steps: int) -> dict:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.t0)
 
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tok, callbacks=[Timer()])
+    trainer = GRPOTrainer(model=path, reward_funcs=reward, args=config, train_dataset=data, processing_class=tok, callbacks=[Timer()])
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
