@@ -52,6 +52,7 @@ DEFAULT_TP_PLAN: tuple[tuple[str, Style], ...] = (
 )
 
 DEFAULT_BUCKET_BYTES = 256 << 20
+_FSDP_PLACEMENTS = (Shard(0),)
 
 
 @dataclass(frozen=True)
@@ -310,12 +311,13 @@ def _src_ranks_of(tensors: list[tuple[str, torch.Tensor]], layout: Layout, world
 def _local_rows(name: str, t: torch.Tensor, src_index: int, n_src: int) -> torch.Tensor:
     """This training rank's row chunk of ``t`` (a FSDP Shard(0) DTensor or a full tensor)."""
     if isinstance(t, DTensor):
-        if tuple(t.placements) != (Shard(0),):
+        if tuple(t.placements) != _FSDP_PLACEMENTS:
             raise ValueError(
                 f"gather_weights: parameter {name!r} has placements {t.placements}; the training layout must be "
                 "FSDP's Shard(0) (shard_model's default)"
             )
-        local = t.to_local()
+        # _local_tensor is what to_local() returns under no_grad, minus ~30 us of call overhead per parameter
+        local = t._local_tensor if hasattr(t, "_local_tensor") else t.to_local()
         rows = _chunk_rows(t.shape[0], n_src, src_index)
         if local.shape[0] != rows[1] - rows[0]:
             raise RuntimeError(
@@ -530,9 +532,9 @@ def _all_to_all_bucket(chunk, weights, src, dst, tp, group_rank, world_size, src
         lo = rows[0] - rows_needed[0]
         target[lo : lo + rows[1] - rows[0]].copy_(recv[offset : offset + k].view((rows[1] - rows[0], *target.shape[1:])))
         offset += k
+    full_numel = {p.name: p.numel for p in chunk}
     for name, k in sharded_received.items():
-        full = next(p.numel for p in chunk if p.name == name)
-        report.sharded_fraction = max(report.sharded_fraction, k / full)
+        report.sharded_fraction = max(report.sharded_fraction, k / full_numel[name])
     report.bytes += recv.numel() * recv.element_size()
     report.bytes_sent += send.numel() * send.element_size()
     report.peak_buffer_bytes = max(report.peak_buffer_bytes, (send.numel() + recv.numel()) * recv.element_size())
