@@ -350,5 +350,16 @@ def main_launch(argv: list[str] | None = None) -> None:
     torchrun_main(torchrun_argv(sys.argv[1:] if argv is None else list(argv)))
 
 
+class _CallableModule(type(sys)):
+    """``rlkit.launch`` is both this module and the function: whichever the attribute resolves to
+    (the package re-exports the function, but any ``from rlkit.launch import emit`` rebinds the
+    package attribute to the module), ``rlkit.launch(fn, ...)`` must launch."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return launch(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
 if __name__ == "__main__":
     main_launch()

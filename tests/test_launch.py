@@ -166,6 +166,14 @@ def test_jsonable_turns_tensors_into_numbers():
     json.dumps(record)
 
 
+def test_the_module_is_callable_like_the_function():
+    import importlib
+
+    module = importlib.import_module("rlkit.launch")  # what `rlkit.launch` is after `from rlkit.launch import emit`
+    with pytest.raises(ValueError, match="nproc_per_node"):
+        module(print, nproc_per_node=0)
+
+
 def test_launch_argument_errors():
     with pytest.raises(ValueError, match="rdzv_endpoint"):
         launch(print, nnodes=2)
