@@ -41,3 +41,26 @@ def test_cpu_preset_runs_and_reports(tmp_path, capsys):
     line = [ln for ln in out.splitlines() if ln.startswith("RESULT_JSON ")][-1]
     assert json.loads(line[len("RESULT_JSON ") :])["rows"] == 64
     assert json.loads(path.read_text())["preset"] == "cpu"
+
+
+def test_packed_rows_attention_fallback_equals_padded_layout(monkeypatch):
+    """The packed path's non-flash attention (rows scattered into a padded batch) computes the
+    same log-probs as transformers' padded layout (GQA and MHA)."""
+    from rlkit.batch import make_batch
+    from rlkit.models import logprobs as L
+    from rlkit.models import response_logprobs, tiny
+    from rlkit.models.tokenizers import char_tokenizer
+
+    tok = char_tokenizer("0123456789+= ")
+    batch = make_batch([[5, 6, 7], [8], [9, 10, 11, 12, 13]], [[5, 5, 5, 6], [7], [8, 9]])
+    args = [batch[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+    for kv_heads in (2, 4):
+        model = tiny(tok, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=kv_heads,
+                     initializer_range=0.2)
+        with torch.no_grad():
+            padded, _ = response_logprobs(model, *args, layout="padded")
+            monkeypatch.setattr(L, "_can_use_varlen", lambda backbone, device: True)
+            packed, _ = response_logprobs(model, *args)
+            monkeypatch.undo()
+        torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
+        assert padded[batch["response_mask"]].abs().min() > 0  # real values, not an all-zero output

@@ -73,23 +73,16 @@ def _varlen_attention(module, query, key, value, attention_mask, dropout: float 
     """A transformers attention function: ``query (1 H n d)``, ``key/value (1 kvh n d)`` of packed
     rows with boundaries ``kwargs["cu_seq_lens_q"]`` -> ``(1 n H d)``, causal within each row.
 
-    Flash attention needs bf16/fp16 inputs; in float32 (e.g. FSDP without mixed precision) it
-    falls back to SDPA with the block-diagonal causal mask built from the same boundaries."""
+    Flash attention needs bf16/fp16 inputs; otherwise (e.g. FSDP without mixed precision) each
+    row is scattered into a padded batch for SDPA (:func:`_padded_rows_attention`)."""
     cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     if cu is None or max_len is None:
         raise RuntimeError("rlkit varlen attention needs cu_seq_lens_q / max_length_q (call through rlkit.models.response_hidden)")
     if dropout or sliding_window is not None:
         raise RuntimeError(f"rlkit varlen attention supports no attention dropout ({dropout}) or sliding window ({sliding_window})")
     groups = query.shape[1] // key.shape[1]
-    if query.dtype not in (torch.bfloat16, torch.float16):
-        n = query.shape[2]
-        pos = torch.arange(n, device=query.device)
-        row = torch.searchsorted(cu[1:].long(), pos, right=True)
-        mask = (row[:, None] == row[None, :]) & (pos[:, None] >= pos[None, :])
-        if groups > 1:
-            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[None, None], scale=scaling)
-        return out.transpose(1, 2), None
+    if not (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen_fn() is not None):
+        return _padded_rows_attention(query, key, value, cu, max_len, scaling, groups), None
     options = _VARLEN_OPTIONS or frozenset()
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (n heads d)
     kw = {}
@@ -111,9 +104,35 @@ def _varlen_attention(module, query, key, value, attention_mask, dropout: float 
     return out[None], None
 
 
+def _padded_rows_attention(query, key, value, cu, max_len: int, scaling, groups: int) -> torch.Tensor:
+    """Packed attention without flash: scatter each row into a ``(b H L d)`` batch, SDPA with a
+    causal + key-padding mask, gather back -> ``(1 n H d)``. Work ``O(b L^2)``, not ``O(n^2)``."""
+    n = query.shape[2]
+    pos = torch.arange(n, device=query.device)
+    row = torch.searchsorted(cu[1:].long(), pos, right=True)
+    offset = pos - cu.long()[row]
+    rows = cu.numel() - 1
+
+    def pad(t):  # (1 h n d) -> (b h L d)
+        out = t.new_zeros(rows, max_len, t.shape[1], t.shape[3])
+        out[row, offset] = t[0].transpose(0, 1)
+        return out.transpose(1, 2)
+
+    q, k, v = pad(query), pad(key), pad(value)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    lengths = (cu[1:] - cu[:-1]).long()
+    steps = torch.arange(max_len, device=query.device)
+    # padded query slots still see key 0 (a real token), so no softmax row is empty
+    mask = (steps[None, :] <= steps[:, None])[None] & (steps[None, None, :] < lengths[:, None, None])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scaling)
+    return out.transpose(1, 2)[row, offset][None]
+
+
 def _can_use_varlen(backbone: nn.Module, device: torch.device) -> bool:
     config = getattr(backbone, "config", None)
-    if not USE_VARLEN_ATTENTION or config is None or device.type != "cuda" or _varlen_fn() is None:
+    # CPU keeps transformers' packed path: its numerics are what the CPU tests pin down
+    if not USE_VARLEN_ATTENTION or config is None or device.type != "cuda":
         return False
     if getattr(backbone, "is_gradient_checkpointing", False) or getattr(config, "use_sliding_window", False):
         return False
@@ -121,7 +140,8 @@ def _can_use_varlen(backbone: nn.Module, device: torch.device) -> bool:
         return False
     global _VARLEN_OPTIONS
     if _VARLEN_OPTIONS is None:
-        _VARLEN_OPTIONS = frozenset(inspect.signature(_varlen_fn()).parameters)
+        fn = _varlen_fn()
+        _VARLEN_OPTIONS = frozenset(inspect.signature(fn).parameters) if fn is not None else frozenset()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     # the dtype is checked per call: under FSDP mixed precision parameters are float32 but compute is bf16
     return head_dim <= 256 and getattr(config, "_attn_implementation", None) in PACKED_ATTENTION
