@@ -480,6 +480,7 @@ class TorchEngine:
         """
         start = time.perf_counter()
         copied = 0
+        written: set[int] = set()  # tied weights (embed / lm_head) arrive twice: copy once
         items = weights.items() if isinstance(weights, Mapping) else weights
         for name, tensor in items:
             if _is_dtensor(tensor):
@@ -496,6 +497,9 @@ class TorchEngine:
                 raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's is {tuple(dst.shape)}")
             if dst.data_ptr() == tensor.data_ptr() and dst.device == tensor.device and dst.dtype == tensor.dtype:
                 continue
+            if dst.data_ptr() in written:
+                continue
+            written.add(dst.data_ptr())
             dst.copy_(tensor)
             copied += dst.numel() * dst.element_size()
         fused_bytes = self._refresh_fused() if self._fused else 0
