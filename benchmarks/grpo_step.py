@@ -386,9 +386,12 @@ def main(argv=None) -> dict:
                     help="after the main steps, also time steps with the HF decoder layers torch.compile'd (training side)")
     ap.add_argument("--compile-budget-s", type=float, default=330.0,
                     help="skip --compile-model when the run has already taken longer than this")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", default=None, help="also write the result JSON here")
     args = ap.parse_args(argv)
     started = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     gpu = device.type == "cuda"
     steps = args.steps if args.steps is not None else (3 if gpu else 10)
@@ -475,6 +478,8 @@ def main(argv=None) -> dict:
         trl_steps = args.trl_steps if args.trl_steps is not None else (4 if gpu else 8)
         cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "trl_compare.py"),
                "--preset", args.preset, "--device", str(device), "--steps", str(trl_steps)]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TRL_JSON ")]
         if lines:

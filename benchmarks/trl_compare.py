@@ -106,10 +106,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args(argv)
-    if args.device == "cpu":
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     result = run_trl(args.preset, args.device, args.steps)
     print("TRL_JSON " + json.dumps(result))
     return result
