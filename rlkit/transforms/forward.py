@@ -25,13 +25,42 @@ def _inputs(mb: Batch, device):
     )
 
 
+def _sharded_map(state, batch: Batch, fn):
+    """Run ``fn(rows) -> (b t)`` on this data-parallel rank's rows and gather the result."""
+    dp = state._cache.get("dp") if state is not None else None
+    if dp is None or dp.size <= 1:
+        return fn(batch)
+    from rlkit.parallel.placement import shard_rows
+
+    local = fn(shard_rows(batch, dp.mesh))
+    width = local.shape[1]
+    comm = local.to(_comm_device(dp))
+    parts = [torch.empty_like(comm) for _ in range(dp.size)]
+    torch.distributed.all_gather(parts, comm, group=dp.group)
+    return torch.cat(parts).to(local.device)[:, :width]
+
+
+def _comm_device(dp):
+    if dp.mesh is not None and dp.mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _module_device(model) -> torch.device:
+    param = next(model.parameters())
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is not None:
+        return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    return param.device
+
+
 @torch.no_grad()
 def model_logprobs(model, batch: Batch, *, temperature: float = 1.0, micro_batch_size: int | None = None, with_entropy: bool = False):
     """(b t) log-probs (and entropy) of the batch's responses under ``model``."""
     from rlkit.models.logprobs import response_logprobs
 
     validate(batch, require=("prompt_ids", "prompt_mask", "response_ids", "response_mask"))
-    device = next(model.parameters()).device
+    device = _module_device(model)
     was_training = model.training
     model.eval()
     out_lp, out_ent = [], []
@@ -43,13 +72,14 @@ def model_logprobs(model, batch: Batch, *, temperature: float = 1.0, micro_batch
                 out_ent.append(ent.float())
     finally:
         model.train(was_training)
-    lp = torch.cat(out_lp).to(batch["response_ids"].device)
+    lp = torch.cat(out_lp).to(batch["response_ids"].device if batch["response_ids"].device.type != "meta" else "cpu")
     return lp, (torch.cat(out_ent).to(lp.device) if with_entropy else None)
 
 
 def compute_old_logprobs(state, batch: Batch, *, temperature: float = 1.0, micro_batch_size: int | None = None) -> Batch:
     """Add ``old_logprobs``: the actor's log-probs before the update (verl's recompute)."""
-    lp, _ = model_logprobs(state.actor, batch, temperature=temperature, micro_batch_size=micro_batch_size)
+    module = state._cache.get("actor_module", state.actor)
+    lp = _sharded_map(state, batch, lambda rows: model_logprobs(module, rows, temperature=temperature, micro_batch_size=micro_batch_size)[0])
     out = batch.clone(recurse=False)
     out.set("old_logprobs", lp)
     return out
@@ -59,7 +89,8 @@ def compute_ref_logprobs(state, batch: Batch, *, temperature: float = 1.0, micro
     """Add ``ref_logprobs`` from the frozen reference model (``rk.init(..., ref="copy")``)."""
     if state.ref is None:
         raise ValueError("state has no reference model; create it with rk.init(model, ref='copy') or drop the KL penalty")
-    lp, _ = model_logprobs(state.ref, batch, temperature=temperature, micro_batch_size=micro_batch_size)
+    module = state._cache.get("ref_module", state.ref)
+    lp = _sharded_map(state, batch, lambda rows: model_logprobs(module, rows, temperature=temperature, micro_batch_size=micro_batch_size)[0])
     out = batch.clone(recurse=False)
     out.set("ref_logprobs", lp)
     return out
@@ -73,12 +104,16 @@ def compute_values(state, batch: Batch, *, micro_batch_size: int | None = None) 
     if state.critic is None:
         raise ValueError("state has no critic; create it with rk.init(model, critic=rk.models.critic(model))")
     validate(batch, require=("prompt_ids", "response_ids"))
-    critic = state.critic
-    device = next(critic.parameters()).device
+    critic = state._cache.get("critic_module", state.critic)
+    device = _module_device(critic)
     was_training = critic.training
     critic.eval()
+
+    def run(rows):
+        return torch.cat([values_for_response(critic, *_inputs(rows[sl], device)).float() for sl in _micro(rows, micro_batch_size)]).cpu()
+
     try:
-        values = torch.cat([values_for_response(critic, *_inputs(batch[sl], device)).float() for sl in _micro(batch, micro_batch_size)])
+        values = _sharded_map(state, batch, run)
     finally:
         critic.train(was_training)
     out = batch.clone(recurse=False)

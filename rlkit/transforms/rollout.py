@@ -118,12 +118,27 @@ def rollout(
     eng = get_engine(state, engine)
     sync = sync_engine(state, eng)
     key = fold_in(state.seed, state.step, "rollout") if seed is None else seed
-    device = state.device
+    dp = state._cache.get("rollout_dp")
+    start = 0
+    if dp is not None and dp.size > 1:
+        # generation replicas: each samples a contiguous share of the prompts (whole groups)
+        if len(prompts) % dp.size:
+            raise ValueError(f"{len(prompts)} prompts cannot be split evenly over {dp.size} generation replicas; use a multiple of {dp.size}")
+        from rlkit.pipeline import split_prompts
+
+        prompts, start = split_prompts(prompts, dp)
+        key = fold_in(key, "replica", dp.rank)
+    device = _engine_device(eng, state)
     gen = generator(key, device=device if device.type in ("cpu", "cuda") else "cpu")
     t0 = time.perf_counter()
     out = eng.generate(prompts.ids, params, generator=gen)
     seconds = time.perf_counter() - t0
     batch = batch_from_generation(prompts, out, tokenizer, policy_version=state.policy_version, decode=decode)
+    if dp is not None and dp.size > 1:
+        from rlkit.parallel.placement import gather_rows
+
+        batch.set("group", batch["group"] + start)
+        batch = gather_rows(batch, dp.mesh)
     tokens = float(batch["response_mask"].sum())
     metrics = {
         "rollout/seconds": seconds,
@@ -168,6 +183,16 @@ def batch_from_generation(prompts: Prompts, out, tokenizer, *, policy_version: i
         texts = tokenizer.batch_decode([r[m].tolist() for r, m in zip(batch["response_ids"], batch["response_mask"])], skip_special_tokens=True)
         set_column(batch, "response_text", texts)
     return batch
+
+
+def _engine_device(engine, state) -> torch.device:
+    device = getattr(engine, "device", None)
+    if device is not None:
+        return torch.device(device)
+    try:
+        return state.device
+    except Exception:  # noqa: BLE001 - sharded parameters: fall back to the default device
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def rollout_metrics(batch: Batch) -> dict[str, float]:

@@ -148,15 +148,28 @@ def update(
 
         batch = compute_values(state, batch, micro_batch_size=micro_batch_size)
 
+    dp = _dp(state)
+    if dp is not None and dp.size > 1:
+        # data parallel: this rank trains on its contiguous rows of the global batch
+        from rlkit.parallel.placement import shard_rows
+
+        b_global = batch.batch_size[0]
+        if mini_batch_size and mini_batch_size % dp.size:
+            raise ValueError(f"mini_batch_size={mini_batch_size} must be divisible by the {dp.size} data-parallel ranks")
+        batch = shard_rows(batch, dp.mesh)
+        mini_batch_size = mini_batch_size // dp.size if mini_batch_size else None
+        if b_global != batch.batch_size[0] * dp.size:
+            raise ValueError("internal: uneven data-parallel split")
     b = batch.batch_size[0]
     horizon = batch["response_mask"].shape[-1]
     term_agg = agg or "token-mean"
     agg_kw = {} if agg is None else {"agg": agg}
     mini, micro = _check_sizes(b, mini_batch_size, micro_batch_size)
     actor, optimizer = state.actor, state.optimizer
-    device = next(actor.parameters()).device
+    actor_module = state._cache.get("actor_module", actor)
+    critic_module = state._cache.get("critic_module", state.critic)
+    device = _device_of(actor)
     actor.train()
-    dp = _dp(state)
     grad_scale = float(dp.size) if dp is not None and dp.mean_reduce else 1.0
 
     sums: dict[str, float] = {}
@@ -191,7 +204,7 @@ def update(
                 frac = float(mask.sum()) / max(1.0, float(num_tokens))
                 norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
                 logprobs, entropy = response_logprobs(
-                    actor, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask,
+                    actor_module, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask,
                     temperature=temperature, with_entropy=True,
                 )
                 extra = {"generator": state.rng("loss", epoch, m0, u0, device=device)} if wants_generator else {}
@@ -220,7 +233,7 @@ def update(
                     gap_max = max(gap_max or 0.0, float(diff.max()) if diff.numel() else 0.0)
                 (total * grad_scale).backward()
                 if train_critic:
-                    values = values_for_response(state.critic, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask)
+                    values = values_for_response(critic_module, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask)
                     vf_loss, vf_metrics = value_loss(values, mb["values"], mb["returns"], mask, cliprange_value=value_clip, agg=term_agg, **norm)
                     (critic_coef * vf_loss * grad_scale).backward()
                     record("critic/vf_loss", vf_loss, 1.0)
@@ -257,8 +270,10 @@ def update(
     # loss parts are already normalised per mini-batch (summed over its micro-batches) and ratio
     # metrics are token-weighted fractions of each mini-batch: both average over optimizer steps
     metrics = {k: sums[k] / (weights[k] if k.endswith("grad_norm") else n_steps) for k in sums}
+    n_tok = float(batch[:mini]["response_mask"].sum())
+    if dp is not None and dp.size > 1:
+        metrics, gap_abs, gap_max, n_tok = _reduce_metrics(metrics, gap_abs, gap_max, n_tok, dp, device)
     if gap_abs is not None:
-        n_tok = float(batch[: mini]["response_mask"].sum())
         metrics["actor/logprob_gap"] = gap_abs / max(n_tok, 1.0)
         metrics["actor/logprob_gap_max"] = gap_max
     metrics["actor/lr"] = state.lr
@@ -271,6 +286,29 @@ def update(
     )
     state.donate("rlkit.update")
     return new_state, metrics
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    param = next(model.parameters())
+    mesh = getattr(param, "device_mesh", None)
+    return torch.device(mesh.device_type, torch.cuda.current_device()) if mesh is not None and mesh.device_type == "cuda" else (
+        torch.device("cpu") if mesh is not None else param.device)
+
+
+def _reduce_metrics(metrics, gap_abs, gap_max, n_tok, dp, device):
+    """Sum the per-rank parts of the metrics (losses are normalised by global counts, so their
+    per-rank values add up to the global value); grad norms are already global."""
+    keys = sorted(k for k in metrics if not k.endswith("grad_norm"))
+    packed_values = torch.tensor([metrics[k] for k in keys] + [gap_abs or 0.0, n_tok], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(packed_values, group=dp.group)
+    out = dict(metrics)
+    out.update({k: float(v) for k, v in zip(keys, packed_values[: len(keys)].tolist())})
+    if gap_abs is not None:
+        gmax = torch.tensor([gap_max or 0.0], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(gmax, op=torch.distributed.ReduceOp.MAX, group=dp.group)
+        gap_max = float(gmax)
+        gap_abs = float(packed_values[-2])
+    return out, gap_abs, gap_max, float(packed_values[-1])
 
 
 def _clip(model: torch.nn.Module, max_norm: float | None) -> float:

@@ -1,0 +1,156 @@
+"""The pipeline lowered onto 2 processes (FSDP2 over gloo) computes what 1 process computes.
+
+Each 2-process job runs through ``rlkit.parallel.local.run_local``; the 1-process reference runs
+here. The same recipe code runs in both: only the lowering differs.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import rlkit as rk
+
+pytestmark = pytest.mark.distributed
+
+
+def _task():
+    return rk.tasks.arithmetic(n_train=64, n_test=8)
+
+
+def _model(task, seed=0):
+    return rk.models.tiny(task.tokenizer, seed=seed, hidden_size=64, intermediate_size=128,
+                          num_attention_heads=2, num_key_value_heads=1)
+
+
+def _spec():
+    # eps=1: Adam's first step ~ lr * g, so a comparison measures gradients, not float-noise signs
+    return rk.optim.adamw(lr=1e-2, eps=1.0, weight_decay=0.0)
+
+
+def _batch(model, task, with_critic_fields=False):
+    """A fixed global batch: 8 rows (2 groups of 4) with uneven response lengths."""
+    from rlkit.batch import make_batch
+    from rlkit.transforms.forward import model_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [task.train.ids[i] for i in range(2) for _ in range(4)]
+    responses = [torch.randint(4, 19, (int(k),), generator=g).tolist() for k in [1, 5, 3, 6, 2, 2, 4, 1]]
+    batch = make_batch(prompts, responses, group=[0] * 4 + [1] * 4, rewards=[1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    batch.set("logprobs", model_logprobs(model, batch)[0])
+    batch = rk.advantage(batch, "grpo")
+    if with_critic_fields:
+        batch.set("values", 0.1 * torch.randn(batch["response_mask"].shape, generator=g) * batch["response_mask"])
+        batch.set("returns", torch.randn(batch["response_mask"].shape, generator=g) * batch["response_mask"])
+    return batch
+
+
+def _full(module):
+    from rlkit.parallel import full_state_dict
+
+    return full_state_dict(module)
+
+
+def _update_worker(with_critic: bool):
+    from rlkit.parallel import init_distributed, shutdown
+
+    init_distributed("gloo")
+    try:
+        task = _task()
+        model = _model(task)
+        critic = rk.models.critic(model) if with_critic else None
+        batch = _batch(model, task, with_critic)
+        state = rk.init(model, _spec(), tokenizer=task.tokenizer, critic=critic, ref="copy")
+        plan = rk.Pipeline(rk.recipes.get("grpo"), reward=task.reward).lower()
+        state = plan.shard(state)
+        state, metrics = rk.update(state, batch, kl=("low_var_kl", 0.1), micro_batch_size=2)
+        actor = _full(state._cache["actor_module"])
+        crit = _full(state._cache["critic_module"]) if with_critic else None
+        return {"actor": actor, "critic": crit, "metrics": metrics}
+    finally:
+        shutdown()
+
+
+def _strip(sd, prefix):
+    return {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+
+
+@pytest.mark.parametrize("with_critic", [False, True], ids=["grpo", "ppo"])
+def test_update_on_two_processes_equals_one(with_critic):
+    from rlkit.parallel.local import run_local
+
+    results = run_local(_update_worker, 2, with_critic, timeout=240)
+    task = _task()
+    model = _model(task)
+    critic = rk.models.critic(model) if with_critic else None
+    batch = _batch(model, task, with_critic)
+    state = rk.init(model, _spec(), tokenizer=task.tokenizer, critic=critic, ref="copy")
+    state, metrics = rk.update(state, batch, kl=("low_var_kl", 0.1), micro_batch_size=4)
+    got = _strip(results[0]["actor"], "model.")
+    assert got, results[0]["actor"].keys()
+    for name, ref in state.actor.state_dict().items():
+        torch.testing.assert_close(got[name], ref, atol=2e-6, rtol=1e-5, msg=name)
+    if with_critic:
+        got_c = _strip(results[0]["critic"], "critic.") or _strip(results[0]["critic"], "model.")
+        for name, ref in state.critic.state_dict().items():
+            torch.testing.assert_close(got_c[name], ref, atol=2e-6, rtol=1e-5, msg=name)
+        assert results[0]["metrics"]["critic/vf_loss"] == pytest.approx(metrics["critic/vf_loss"], rel=1e-5)
+    # losses are summed over ranks: the reported value is the global one
+    assert results[0]["metrics"]["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], abs=1e-6)
+    assert results[1]["metrics"]["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], abs=1e-6)
+
+
+def _rollout_worker():
+    from rlkit.parallel import init_distributed, shutdown
+
+    init_distributed("gloo")
+    try:
+        task = _task()
+        model = _model(task)
+        state = rk.init(model, _spec(), tokenizer=task.tokenizer)
+        plan = rk.Pipeline(rk.recipes.get("grpo"), reward=task.reward).lower()
+        state = plan.shard(state)
+        prompts = task.train.batch_at(0, 4, shuffle=False)
+        before = rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=0.0)
+        state, _ = rk.update(state, _batch(_model(task), task))
+        after = rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=0.0)
+        return {k: b[k].clone() for b, k in [(before, "response_ids"), (before, "group")]} | {
+            "after_ids": after["response_ids"].clone(), "sync": rk.rollout_metrics(after),
+        }
+    finally:
+        shutdown()
+
+
+def test_rollout_on_two_replicas_equals_one_process():
+    """Prompts split over 2 generation replicas and gathered == one process (greedy), before and
+    after an update (which moves the new weights into the generation layout)."""
+    from rlkit.parallel.local import run_local
+
+    results = run_local(_rollout_worker, 2, timeout=240)
+    task = _task()
+    state = rk.init(_model(task), _spec(), tokenizer=task.tokenizer)
+    prompts = task.train.batch_at(0, 4, shuffle=False)
+    before = rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=0.0)
+    state, _ = rk.update(state, _batch(_model(task), task))
+    after = rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=0.0)
+    for r in results:
+        assert torch.equal(r["response_ids"], before["response_ids"])
+        assert r["group"].tolist() == before["group"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+        width = after["response_ids"].shape[1]
+        assert torch.equal(r["after_ids"][:, :width], after["response_ids"])
+        assert r["sync"]["sync/bytes"] > 0  # the weights really moved
+
+
+def test_local_lowering_is_the_identity():
+    task = _task()
+    model = _model(task)
+    state = rk.init(model, _spec(), tokenizer=task.tokenizer)
+    plan = rk.Pipeline(rk.recipes.get("grpo").with_(n=4, max_new_tokens=4), reward=task.reward).lower()
+    assert plan.is_local and plan.shard(state) is state
+    twin = rk.init(copy.deepcopy(model), _spec(), tokenizer=task.tokenizer)
+    prompts = task.train.batch_at(0, 4)
+    s1, m1 = plan.step(state, prompts)
+    s2, m2 = rk.recipes.get("grpo").with_(n=4, max_new_tokens=4).step(twin, prompts, task.reward)
+    for (k, a), b in zip(s1.actor.state_dict().items(), s2.actor.state_dict().values()):
+        assert torch.equal(a, b), k
