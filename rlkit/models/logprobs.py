@@ -23,6 +23,10 @@ On CUDA (bf16/fp16) two paths replace the generic ones:
   ``d lp / dz_j = 1[j = y] - p_j`` and ``dH / dz_j = -p_j (z_j - sum_i p_i z_i)``; no float32
   copy of the chunk's logits exists.
 
+On CPU, packed batches longer than ``CPU_DENSE_MASK_MAX_TOKENS`` use the same attention hook
+with each row scattered into a padded batch for SDPA (``O(b L^2)`` work instead of the dense
+mask's ``O(n^2)``); shorter ones keep transformers' path.
+
 ``USE_VARLEN_ATTENTION`` / ``USE_FUSED_LOGPROBS`` (module flags) turn either off.
 
 FSDP2: ``fully_shard`` unshards parameters in module forward hooks, so all the work happens
@@ -129,14 +133,20 @@ def _padded_rows_attention(query, key, value, cu, max_len: int, scaling, groups:
     return out.transpose(1, 2)[row, offset][None]
 
 
-def _can_use_varlen(backbone: nn.Module, device: torch.device) -> bool:
+#: on CPU, packed sequences shorter than this keep transformers' dense block-diagonal mask (cheap
+#: at that size); longer ones use the padded-rows attention, O(b L^2) instead of O(n^2)
+CPU_DENSE_MASK_MAX_TOKENS = 512
+
+
+def _can_use_varlen(backbone: nn.Module, device: torch.device, tokens: int = 0) -> bool:
     config = getattr(backbone, "config", None)
-    # CPU keeps transformers' packed path: its numerics are what the CPU tests pin down
-    if not USE_VARLEN_ATTENTION or config is None or device.type != "cuda":
+    if not USE_VARLEN_ATTENTION or config is None or device.type not in ("cuda", "cpu"):
         return False
     if getattr(backbone, "is_gradient_checkpointing", False) or getattr(config, "use_sliding_window", False):
         return False
     if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
+        return False
+    if device.type == "cpu" and tokens <= CPU_DENSE_MASK_MAX_TOKENS:
         return False
     global _VARLEN_OPTIONS
     if _VARLEN_OPTIONS is None:
@@ -338,7 +348,7 @@ def response_hidden(
             {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids, "response_mask": response_mask}
         )
         inputs = dict(input_ids=view.input_ids[None], position_ids=view.position_ids[None], attention_mask=None, use_cache=False)
-        if _can_use_varlen(backbone, view.input_ids.device):
+        if _can_use_varlen(backbone, view.input_ids.device, view.input_ids.numel()):
             cu = view.cu_seqlens.to(torch.int32)
             lengths = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=view.max_seqlen, max_length_k=view.max_seqlen)
             with _attention_implementation(backbone.config, _VARLEN_NAME):
