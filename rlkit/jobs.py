@@ -17,11 +17,11 @@ import torch
 DEFAULTS = dict(
     task="arithmetic",
     algo="grpo",
-    steps=40,
-    sft_steps=800,
+    steps=30,
+    sft_steps=1500,
     batch_size=16,
     n=8,
-    lr=2e-4,
+    lr=3e-4,
     sft_lr=3e-3,
     seed=0,
     device="cpu",
@@ -37,7 +37,7 @@ DEFAULTS = dict(
     resume=None,
     checkpoint_every=0,
     keep_checkpoints=3,
-    teacher_error=0.75,
+    teacher_error=0.6,
 )
 
 
@@ -57,8 +57,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kl", type=float, default=d["kl"], help="low_var_kl coefficient to a frozen reference (0: no reference)")
     p.add_argument("--temperature", type=float, default=d["temperature"])
     p.add_argument("--teacher-error", type=float, default=d["teacher_error"],
-                   help="how often the warm-up teacher writes zero-padded answers ('046') that the verifier rejects; "
-                        "RL has to unlearn the habit (0: a perfect teacher)")
+                   help="how often the warm-up teacher writes a redundant '+0' after the answer ('46+0'), which the "
+                        "verifier rejects; RL has to unlearn the habit (0: a perfect teacher)")
     p.add_argument("--seed", type=int, default=d["seed"])
     p.add_argument("--device", default=d["device"], help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--size", default=d["size"], help="model preset (tiny, small, ...)")

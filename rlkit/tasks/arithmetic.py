@@ -14,8 +14,8 @@ from rlkit.tasks.base import Task
 ALPHABET = "0123456789+-*= "
 #: how the imperfect warm-up teacher errs (``teacher_error`` is how often):
 #: zero_pad: writes answers zero-padded to a fixed width ("046"), which the verifier rejects;
-#: random: answers a random number; forgot_carry: adds digit by digit without carrying
-TEACHER_NOISE = ("zero_pad", "random", "forgot_carry")
+#: verbose: appends a redundant "+0" ("46+0"), which the verifier rejects; random: answers a random number; forgot_carry: adds digit by digit without carrying
+TEACHER_NOISE = ("zero_pad", "verbose", "random", "forgot_carry")
 OPS = ("+", "-", "*")
 
 
@@ -41,7 +41,7 @@ def arithmetic(
     seed: int = 1234,
     n_sft: int | None = None,
     teacher_error: float = 0.0,
-    teacher_noise: str = "zero_pad",
+    teacher_noise: str = "verbose",
 ) -> Task:
     """Arithmetic on random ``digits``-digit operands. ``ops`` any of ``+ - *``.
 
@@ -89,6 +89,8 @@ def arithmetic(
             return answer
         if teacher_noise == "zero_pad":
             return answer.zfill(width) if not answer.startswith("-") else answer
+        if teacher_noise == "verbose":
+            return answer + "+0"
         if teacher_noise == "random":
             return str(teacher.randint(0, 2 * hi))
         if "+" not in prompt:
