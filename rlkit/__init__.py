@@ -25,6 +25,11 @@ from rlkit.transforms.rollout import concat, rollout, rollout_metrics  # noqa: E
 from rlkit.transforms.score import RewardError, score  # noqa: E402
 from rlkit.transforms.update import update  # noqa: E402
 
+# functions that share a name with their module: bind the function (importing the module first
+# would otherwise leave ``rk.evaluate`` / ``rk.launch`` pointing at the module)
+from rlkit.evaluate import evaluate  # noqa: E402
+from rlkit.launch import launch  # noqa: E402
+
 
 def __getattr__(name):
     # heavier layers load on first use, so `import rlkit` stays light
@@ -41,18 +46,10 @@ def __getattr__(name):
         from rlkit.loop import fit
 
         return fit
-    if name == "evaluate":
-        from rlkit.evaluate import evaluate
-
-        return evaluate
     if name == "Checkpointer":
         from rlkit.checkpoint import Checkpointer
 
         return Checkpointer
-    if name in ("launch",):
-        from rlkit.launch import launch
-
-        return launch
     if name in ("Pipeline", "mesh"):
         from rlkit import pipeline
 
