@@ -1,0 +1,102 @@
+"""Every bad input a user can give is a clear error naming the field, the value and the fix.
+
+(Checkpoint errors live in test_checkpoint.py; model-directory and tokenizer errors in
+tests/models/; Batch field errors in test_batch.py; reward errors in transforms/test_score.py.)
+"""
+import json
+
+import pytest
+
+import rlkit as rk
+from rlkit.data import DataError
+
+
+@pytest.fixture(scope="module")
+def task():
+    return rk.tasks.arithmetic(n_train=32, n_test=8)
+
+
+@pytest.fixture
+def state(task):
+    return rk.init(rk.models.tiny(task.tokenizer, seed=0, hidden_size=64, intermediate_size=128), rk.optim.adamw(lr=1e-3), tokenizer=task.tokenizer)
+
+
+def test_unknown_task_and_algo_list_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown task 'arith'.*arithmetic"):
+        rk.tasks.get("arith")
+    with pytest.raises(ValueError, match="unknown algorithm 'grp'.*grpo.*ppo"):
+        rk.recipes.get("grp")
+    with pytest.raises(SystemExit):
+        from rlkit.cli import main
+
+        main(["run"])  # task missing: argparse usage error
+
+
+def test_config_errors(task):
+    from rlkit.jobs import run_task
+
+    with pytest.raises(ValueError, match="unknown option.*'stpes'"):
+        run_task("arithmetic", {"stpes": 3})
+    with pytest.raises(TypeError, match="GRPO.__init__\\(\\) got an unexpected keyword argument 'nn'"):
+        rk.recipes.get("grpo", nn=3)
+    with pytest.raises(ValueError, match="unknown LR schedule 'cosin'"):
+        rk.optim.adamw(lr=1e-3, schedule="cosin", total_steps=10)
+    with pytest.raises(TypeError, match="optimizer must be an rlkit OptimizerSpec"):
+        rk.init(rk.models.tiny(task.tokenizer), optimizer={"lr": 1e-3})
+    with pytest.raises(ValueError, match="teacher_error must be in \\[0, 1\\]"):
+        rk.tasks.arithmetic(teacher_error=2.0)
+
+
+def test_data_errors(task, tmp_path):
+    with pytest.raises(DataError, match="empty"):
+        rk.load_prompts([], task.tokenizer)
+    with pytest.raises(DataError, match="row 1.*must be text.*int"):
+        rk.load_prompts([{"prompt": "1+1="}, {"prompt": 7}], task.tokenizer)
+    with pytest.raises(DataError, match="row 0 has no 'prompt' field.*prompt_key"):
+        rk.load_prompts([{"question": "1+1="}], task.tokenizer)
+    with pytest.raises(DataError, match="row 1 has 9 tokens, over max_prompt_tokens=4.*truncate=True"):
+        rk.load_prompts(["1+1=", "12+345678"], task.tokenizer, max_prompt_tokens=4)
+    kept = rk.load_prompts(["1+1=", "12+345678"], task.tokenizer, max_prompt_tokens=4, truncate=True)
+    assert len(kept.ids[1]) == 4
+    bad = tmp_path / "p.jsonl"
+    bad.write_text(json.dumps({"prompt": "1+1="}) + "\n{not json\n")
+    with pytest.raises(DataError, match="line 2 is not valid JSON"):
+        rk.load_prompts(bad, task.tokenizer)
+    with pytest.raises(DataError, match="does not exist"):
+        rk.load_prompts(tmp_path / "missing.jsonl", task.tokenizer)
+    with pytest.raises(DataError, match="batch_size=64 is larger than the prompt set"):
+        task.test.batch_at(0, 64)
+
+
+def test_prompts_from_jsonl_and_datasets(task, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) for i in range(4)))
+    from_file = rk.load_prompts(path, task.tokenizer)
+    assert from_file.columns["answer"] == ["1", "2", "3", "4"] and from_file.text[2] == "2+1="
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list([{"prompt": "3+4=", "answer": "7"}])
+    assert rk.load_prompts(ds, task.tokenizer).ids == [task.tokenizer("3+4=", add_special_tokens=False)["input_ids"]]
+
+
+def test_rollout_errors(state, task):
+    with pytest.raises(ValueError, match="prompt 0 has .* tokens.*exceeds the model's context of 8"):
+        small = rk.init(rk.models.tiny(task.tokenizer, hidden_size=64, intermediate_size=128, max_position_embeddings=8),
+                        rk.optim.adamw(lr=1e-3), tokenizer=task.tokenizer)
+        rk.rollout(small, ["12+34="], n=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match="SamplingParams.n must be >= 1"):
+        rk.rollout(state, ["1+1="], n=0)
+    with pytest.raises(TypeError, match="rollout expects a TrainState"):
+        rk.rollout(task, ["1+1="])
+    batch = rk.score(rk.rollout(state, ["1+1=", "2+2="], n=1, max_new_tokens=3), lambda completions, **_: [0.0, 1.0])
+    with pytest.raises(rk.BatchError, match="n >= 2"):
+        rk.advantage(batch, "grpo")
+
+
+def test_tokenizer_without_pad_token(tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=raw).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="pad_token"):
+        rk.models.load_tokenizer(tmp_path)
