@@ -123,7 +123,19 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     opts = _options({**(options or {}), "task": task_name})
     resume_from = _resume_target(opts)
     t_start = time.perf_counter()
-    console = Console(stderr=True, quiet=opts.quiet)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    rank = 0
+    if distributed:
+        # under `rlkit run --nproc-per-node N` / rlkit.launch / torchrun: the same job, lowered
+        # onto all ranks (FSDP2 actor, rollout split over replicas); rank 0 reports
+        from rlkit.parallel import init_distributed
+
+        info = init_distributed()
+        rank = info.rank
+        if opts.device.startswith("cuda"):
+            opts.device = f"cuda:{info.local_rank}"
+            torch.cuda.set_device(info.local_rank)
+    console = Console(stderr=True, quiet=opts.quiet or rank != 0)
     recipe = recipes.get(opts.algo)
     task = tasks.get(task_name, **({"teacher_error": opts.teacher_error} if task_name == "arithmetic" else {}))
     device = torch.device(opts.device)
@@ -132,8 +144,15 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     tok = task.tokenizer
     eval_set = task.test.take(range(min(opts.eval_size, len(task.test))))
 
-    def accuracy(m) -> float:
-        return evaluate(m, tok, eval_set, task.reward, max_new_tokens=task.max_new_tokens)["accuracy"]
+    def accuracy(m, state=None) -> float:
+        engine = None
+        if state is not None and "dp" in state._cache:
+            # sharded actor: evaluate with the rollout engine, synced to the current weights
+            from rlkit.transforms.rollout import get_engine, sync_engine
+
+            engine = get_engine(state)
+            sync_engine(state, engine)
+        return evaluate(m, tok, eval_set, task.reward, max_new_tokens=task.max_new_tokens, engine=engine)["accuracy"]
 
     if resume_from is None:
         sft_sink = ConsoleSink(opts.sft_steps, "warm-up", keys=("sft/loss",), console=console) if not opts.quiet and opts.sft_steps else None
@@ -152,6 +171,12 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
 
         critic = make_critic(model)
     state = init(model, adamw(lr=opts.lr, weight_decay=0.0), tokenizer=tok, ref="copy" if kl else None, critic=critic, seed=opts.seed)
+    if distributed:
+        from rlkit.pipeline import Pipeline
+
+        if opts.batch_size % int(os.environ["WORLD_SIZE"]):
+            raise ValueError(f"--batch-size {opts.batch_size} must be a multiple of the {os.environ['WORLD_SIZE']} processes")
+        state = Pipeline(recipe, task.reward).lower().shard(state)
     if resume_from is not None:
         # the checkpoint holds the warmed-up (and partly RL-trained) model, the ref and the optimizer
         from rlkit.checkpoint import load
@@ -171,16 +196,16 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
         checkpointer = Checkpointer(os.path.join(opts.out, "checkpoints"), every=opts.checkpoint_every, keep=opts.keep_checkpoints)
         checkpointer.last_saved_step = state.step if resume_from is not None else None
     sinks: list[Any] = []
-    if opts.out:
+    if opts.out and rank == 0:
         os.makedirs(opts.out, exist_ok=True)
         sinks.append(JSONLSink(os.path.join(opts.out, "metrics.jsonl")))
-    bar = ConsoleSink(opts.steps, f"RL ({opts.algo})", console=console) if not opts.quiet else None
+    bar = ConsoleSink(opts.steps, f"RL ({opts.algo})", console=console) if not opts.quiet and rank == 0 else None
     if bar:
         sinks.append(bar)
     try:
         state, history = fit(
             state, recipe, task.reward, task.train, steps=opts.steps, batch_size=opts.batch_size, sinks=sinks,
-            eval_fn=lambda s: {"accuracy": accuracy(s.actor)}, eval_every=opts.eval_every, checkpointer=checkpointer,
+            eval_fn=lambda s: {"accuracy": accuracy(s.actor, s)}, eval_every=opts.eval_every, checkpointer=checkpointer,
         )
         if checkpointer is not None and checkpointer.every and checkpointer.last_saved_step != state.step:
             checkpointer.save(state)  # the final state, so a longer --steps can continue from it
@@ -189,7 +214,7 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
             s.close()
         if checkpointer is not None:
             checkpointer.close()
-    acc_after = history[-1]["eval/accuracy"] if history and "eval/accuracy" in history[-1] else accuracy(state.actor)
+    acc_after = history[-1]["eval/accuracy"] if history and "eval/accuracy" in history[-1] else accuracy(state.actor, state)
     wall = time.perf_counter() - t_start
     summary = {
         "task": task_name,
@@ -203,6 +228,7 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
         "reward_last": history[-1]["reward/mean"] if history else None,
         "wall_s": wall,
         "device": str(device),
+        "processes": int(os.environ.get("WORLD_SIZE", "1")),
     }
     if resume_from is not None:
         summary["resumed_from"] = str(resume_from)
@@ -215,8 +241,19 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
          ("gain (points)", f"{100 * (acc_after - acc_before):+.1f}"), ("RL steps", str(state.step)), ("wall time", f"{wall:.1f} s")],
     ))
     if opts.out:
-        state.actor.save_pretrained(os.path.join(opts.out, "model"))
-        tok.save_pretrained(os.path.join(opts.out, "model"))
-        with open(os.path.join(opts.out, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        full = None
+        if distributed:
+            from rlkit.parallel import full_state_dict
+
+            # collective: every rank takes part, rank 0 receives the unsharded weights
+            full = {k[len("model."):]: v for k, v in full_state_dict(state._cache["actor_module"]).items()}
+        if rank == 0:
+            state.actor.save_pretrained(os.path.join(opts.out, "model"), state_dict=full)
+            tok.save_pretrained(os.path.join(opts.out, "model"))
+            with open(os.path.join(opts.out, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2)
+    if distributed:
+        from rlkit.parallel import shutdown
+
+        shutdown()
     return summary
