@@ -103,6 +103,11 @@ def init_distributed(backend: str | None = None, *, timeout: timedelta | float |
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     kwargs = {"timeout": timeout} if timeout is not None else {}
+    # Measured on torch 2.13 (gloo, torchrun --standalone, --max-restarts): when a restarted
+    # worker group takes a few seconds to reach init_process_group (importing transformers is
+    # enough), gloo's eager full-mesh connect fails with "Connection refused" and the restart is
+    # lost. Connecting lazily, at the first collective, makes elastic restarts reliable.
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     dist.init_process_group(backend=backend or default_backend(), **kwargs)
     return world()
 
