@@ -82,6 +82,20 @@ def _options(options: dict[str, Any] | None) -> argparse.Namespace:
     unknown = set(merged) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"unknown option(s) {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
+    for key, value in merged.items():
+        want = type(DEFAULTS[key])
+        if DEFAULTS[key] is None or value is None:
+            continue
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            merged[key] = float(value)
+        elif not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise TypeError(f"option {key!r} must be {want.__name__}, got {type(value).__name__} {value!r} (default {DEFAULTS[key]!r})")
+    positive = ("steps", "batch_size", "n", "eval_size")
+    for key in positive:
+        if merged[key] < 1:
+            raise ValueError(f"option {key!r} must be >= 1, got {merged[key]}")
+    if merged["sft_steps"] < 0:
+        raise ValueError(f"option 'sft_steps' must be >= 0, got {merged['sft_steps']}")
     return argparse.Namespace(**merged)
 
 

@@ -100,3 +100,12 @@ def test_tokenizer_without_pad_token(tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=raw).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="pad_token"):
         rk.models.load_tokenizer(tmp_path)
+
+
+def test_job_option_types_are_checked():
+    from rlkit.jobs import run_task
+
+    with pytest.raises(TypeError, match="option 'steps' must be int, got str '3'"):
+        run_task("arithmetic", {"steps": "3"})
+    with pytest.raises(ValueError, match="option 'batch_size' must be >= 1"):
+        run_task("arithmetic", {"batch_size": 0})

@@ -105,6 +105,7 @@ def update(
     value_clip: float = 0.5,
     critic_coef: float = 1.0,
     max_nonfinite_steps: int = 3,
+    max_logprob_gap: float | None = 0.5,
 ) -> tuple[TrainState, dict[str, float]]:
     """One update of the actor (and the critic if the state has one and the batch has ``returns``).
 
@@ -120,6 +121,8 @@ def update(
         temperature: the rollout temperature (logits are divided by it, as verl does).
         mini_batch_size / micro_batch_size / epochs / shuffle: PPO-style multi-step updates.
         max_grad_norm: gradient clipping (None: off).
+        max_logprob_gap: warn when the mean |train - rollout| log-prob gap exceeds it (a
+            stale engine, a wrong temperature, a numerics mismatch); None: never.
 
     Returns ``(new_state, metrics)`` with loss parts, clip fraction, approx KL, entropy, grad
     norm, learning rate and the train-vs-rollout log-prob gap (``actor/logprob_gap``).
@@ -276,6 +279,14 @@ def update(
     if gap_abs is not None:
         metrics["actor/logprob_gap"] = gap_abs / max(n_tok, 1.0)
         metrics["actor/logprob_gap_max"] = gap_max
+    if max_logprob_gap is not None and metrics.get("actor/logprob_gap", 0.0) > max_logprob_gap:
+        warnings.warn(
+            f"rlkit.update: at step {state.step} the trainer's log-probs differ from the rollout's by "
+            f"{metrics['actor/logprob_gap']:.3g} per token on average (threshold {max_logprob_gap}); the rollout "
+            "engine may be stale, sampled at another temperature, or numerically off (check update(temperature=...) "
+            "matches rollout(temperature=...))",
+            RuntimeWarning, stacklevel=2,
+        )
     metrics["actor/lr"] = state.lr
     metrics["actor/skipped_steps"] = float(skipped)
     metrics["step"] = float(state.step + 1)

@@ -1,8 +1,9 @@
 """A short GRPO job under `rlkit launch` that loses a worker once (tests/test_elastic.py).
 
 Usage: rlkit launch --nproc-per-node 2 --max-restarts 1 elastic_job.py OUT STEPS KILL_AT
-On the first attempt rank 1 kills itself with SIGKILL right after step KILL_AT; the elastic agent
-restarts the group and the job resumes from the newest checkpoint.
+On the first attempt rank 1 kills itself with SIGKILL right after step KILL_AT (never if KILL_AT
+is 0); the elastic agent restarts the group and the job resumes from the newest checkpoint in
+OUT. Rank 0 writes OUT/done.json and the unsharded final weights to OUT/final.pt.
 """
 import json
 import os
@@ -35,7 +36,13 @@ class FaultInjector:
 
 state, history = rk.fit(state, recipe, task.reward, task.train, steps=steps, batch_size=4,
                         sinks=[FaultInjector()], checkpointer=checkpointer)
+from rlkit.parallel import full_state_dict  # noqa: E402
+
+final = full_state_dict(state._cache["actor_module"])  # collective; rank 0 receives the tensors
 if info.rank == 0:
+    import torch
+
+    torch.save(final, os.path.join(out, "final.pt"))
     with open(os.path.join(out, "done.json"), "w") as f:
         json.dump({"step": state.step, "attempt": attempt, "resumed_at": first_step}, f)
 checkpointer.close()

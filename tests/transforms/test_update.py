@@ -109,3 +109,11 @@ def test_nonfinite_gradient_skips_the_step(tiny_model, char_tok):
     with pytest.raises(NonFiniteError, match="consecutive"):
         with pytest.warns(RuntimeWarning):
             rk.update(state, batch, max_nonfinite_steps=2)
+
+
+def test_large_train_vs_rollout_gap_warns(tiny_model, char_tok):
+    batch = _batch(tiny_model)
+    batch.set("logprobs", batch["logprobs"] - 2.0 * batch["response_mask"])  # a stale engine
+    state = rk.init(tiny_model, rk.optim.adamw(lr=1e-3), tokenizer=char_tok)
+    with pytest.warns(RuntimeWarning, match="differ from the rollout's by 2"):
+        rk.update(state, batch)
