@@ -87,3 +87,16 @@ class Engine(Protocol):
         bumping ``policy_version``.
         """
         ...
+
+
+def pick_pad_token_id(config, pad_token_id: int | None = None) -> int:
+    """The id engines pad with: the given one, else the config's pad, else its (first) eos, else 0."""
+    if pad_token_id is not None:
+        return int(pad_token_id)
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlkit.engines.base import Generation, SamplingParams
+from rlkit.engines.base import Generation, SamplingParams, pick_pad_token_id
 
 #: model_type -> name of its rotary-embedding class in ``transformers.models.<type>.modeling_<type>``
 SUPPORTED = {"llama": "LlamaRotaryEmbedding", "qwen2": "Qwen2RotaryEmbedding", "qwen3": "Qwen3RotaryEmbedding"}
@@ -423,15 +423,7 @@ class TorchEngine:
 
     @staticmethod
     def _pick_pad(config, pad_token_id: int | None) -> int:
-        if pad_token_id is not None:
-            return int(pad_token_id)
-        for name in ("pad_token_id", "eos_token_id"):
-            value = getattr(config, name, None)
-            if isinstance(value, (list, tuple)):
-                value = value[0] if value else None
-            if value is not None:
-                return int(value)
-        return 0
+        return pick_pad_token_id(config, pad_token_id)
 
     @property
     def fused(self) -> bool:

@@ -51,7 +51,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from rlkit.engines.base import Generation, SamplingParams
+from rlkit.engines.base import Generation, SamplingParams, pick_pad_token_id
 
 __all__ = ["VLLMEngine", "StaleEngineError", "trainer_logprobs", "probe_sequences", "weight_groups"]
 
@@ -401,15 +401,7 @@ class VLLMEngine:
 
     @staticmethod
     def _pick_pad(config, pad_token_id: int | None) -> int:
-        if pad_token_id is not None:
-            return int(pad_token_id)
-        for name in ("pad_token_id", "eos_token_id"):
-            value = getattr(config, name, None)
-            if isinstance(value, (list, tuple)):
-                value = value[0] if value else None
-            if value is not None:
-                return int(value)
-        return 0
+        return pick_pad_token_id(config, pad_token_id)
 
     def close(self) -> None:
         """Free the vLLM engine (and the torch.distributed group it made in this process), delete
