@@ -34,6 +34,14 @@ from rlkit.state import TrainState
 
 
 @dataclass(frozen=True)
+class SplitRoles:
+    """Split placement: training on ``actor_ranks``, generation on disjoint ``rollout_ranks``."""
+
+    actor_ranks: tuple[int, ...]
+    rollout_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class DataParallel:
     """A role's data-parallel context: the mesh, this rank's index in it and its size."""
 
@@ -126,9 +134,11 @@ class Plan:
 
         actor_mesh = self.placement.mesh("actor")
         if not self.placement.colocated("actor", "rollout"):
+            return self._shard_split(state)
+        if self.tp > 1:
             raise NotImplementedError(
-                "split placement (actor and rollout on different ranks) is lowered by rlkit.parallel.gather_weights "
-                "with a split layout; the step driver for it is not wired into Plan yet — colocate the roles"
+                "tensor-parallel generation is not lowered yet: rlkit.parallel.gather_weights moves the weights "
+                "into a TP layout, but the built-in engine has no tensor-parallel forward; use tp=1"
             )
         ranks = list(self.placement.ranks("actor"))
         me = dist.get_rank()
@@ -159,6 +169,59 @@ class Plan:
             critic_sched = None
         return state.replace(optimizer=optimizer, scheduler=scheduler, critic_optimizer=critic_opt,
                              critic_scheduler=critic_sched, _cache=cache)
+
+    def _shard_split(self, state: TrainState) -> TrainState:
+        """Actor on one group of ranks (FSDP2), rollout on another (its own engine); weights
+        travel between the groups by collectives after every update."""
+        from rlkit.engines.torch_engine import TorchEngine
+        from rlkit.models.logprobs import LogprobModule
+        from rlkit.parallel import fsdp
+
+        if state.critic is not None or state.ref is not None:
+            raise NotImplementedError(
+                "split placement is lowered for critic-free recipes without a reference model (GRPO, Dr. GRPO, "
+                "DAPO, RLOO, REINFORCE++ with kl=None); colocate the roles for PPO or a KL penalty"
+            )
+        if self.tp > 1:
+            raise NotImplementedError("tensor-parallel generation is not lowered yet; use tp=1")
+        actor_ranks, rollout_ranks = self.placement.ranks("actor"), self.placement.ranks("rollout")
+        if set(actor_ranks) & set(rollout_ranks):
+            raise ValueError(f"split placement needs disjoint rank groups, got actor {actor_ranks} and rollout {rollout_ranks}")
+        me = dist.get_rank()
+        cache = dict(state._cache)
+        cache.update(split=SplitRoles(tuple(actor_ranks), tuple(rollout_ranks)), synced_version=state.policy_version,
+                     split_sync=self._split_sync)
+        actor = state.actor
+        if me in rollout_ranks:
+            dtype = self.rollout_dtype
+            weights = {k: v.detach().clone() if dtype is None else v.detach().to(dtype) for k, v in actor.named_parameters()}
+            engine = TorchEngine(actor.config, weights, pad_token_id=getattr(state.tokenizer, "pad_token_id", None))
+            engine.policy_version = state.policy_version
+            mesh = self.placement.mesh("rollout")
+            cache.update(engine=engine, engine_kind="torch",
+                         rollout_dp=DataParallel(mesh, list(rollout_ranks).index(me), len(rollout_ranks)))
+            return state.replace(_cache=cache)
+        if me not in actor_ranks:
+            raise ValueError(f"rank {me} has no role in this placement (actor {actor_ranks}, rollout {rollout_ranks})")
+        mesh = self.placement.mesh("actor")
+        opts = dict(mixed_precision=self.mixed_precision, cpu_offload=self.cpu_offload,
+                    activation_checkpointing=self.activation_checkpointing, gradient_reduction="sum")
+        cache.update(actor_module=fsdp.shard_model(LogprobModule(actor), mesh, **opts),
+                     dp=DataParallel(mesh, list(actor_ranks).index(me), len(actor_ranks)))
+        optimizer, scheduler = state.optimizer_spec.build(actor.parameters())
+        return state.replace(optimizer=optimizer, scheduler=scheduler, _cache=cache)
+
+    def _split_sync(self, state: TrainState) -> dict[str, float]:
+        """Collective over all ranks: actor shards -> full weights on every rollout rank."""
+        from rlkit.parallel import gather_weights, split
+
+        roles = state._cache["split"]
+        weights, report = gather_weights(state.actor, split(roles.actor_ranks, roles.rollout_ranks, dtype=self.rollout_dtype))
+        engine = state._cache.get("engine")
+        if engine is not None:
+            engine.load_weights(weights, version=state.policy_version)
+        self.reports.append(report)
+        return {"bytes": float(report.bytes), "seconds": float(report.seconds)}
 
     def _weight_sync(self, state: TrainState, engine) -> dict[str, float]:
         from rlkit.parallel import gather_weights, replicated, tensor_parallel

@@ -154,3 +154,48 @@ def test_local_lowering_is_the_identity():
     s2, m2 = rk.recipes.get("grpo").with_(n=4, max_new_tokens=4).step(twin, prompts, task.reward)
     for (k, a), b in zip(s1.actor.state_dict().items(), s2.actor.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def _split_worker():
+    from rlkit.parallel import full_state_dict, init_distributed, shutdown, split_placement
+
+    init_distributed("gloo")
+    try:
+        task = _task()
+        state = rk.init(_model(task), _spec(), tokenizer=task.tokenizer)
+        placement = split_placement({"actor": 1, "rollout": 1})  # actor on rank 0, rollout on rank 1
+        plan = rk.Pipeline(rk.recipes.get("grpo"), reward=task.reward).lower(placement)
+        state = plan.shard(state)
+        prompts = task.train.batch_at(0, 4, shuffle=False)
+        before = rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=0.0)
+        state, metrics = rk.update(state, _batch(_model(task), task))
+        after = rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=0.0)
+        actor = full_state_dict(state._cache["actor_module"]) if "actor_module" in state._cache else None
+        return {"before": before["response_ids"].clone(), "after": after["response_ids"].clone(), "actor": actor,
+                "sync": rk.rollout_metrics(after), "metrics": metrics, "version": state.policy_version}
+    finally:
+        shutdown()
+
+
+def test_split_placement_actor_and_rollout_on_different_ranks():
+    """Actor (FSDP) on rank 0, rollout engine on rank 1: weights reach rank 1 by collectives after
+    the update; tokens and parameters equal the single-process run."""
+    from rlkit.parallel.local import run_local
+
+    results = run_local(_split_worker, 2, timeout=240)
+    task = _task()
+    state = rk.init(_model(task), _spec(), tokenizer=task.tokenizer)
+    prompts = task.train.batch_at(0, 4, shuffle=False)
+    before = rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=0.0)
+    state, metrics = rk.update(state, _batch(_model(task), task))
+    after = rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=0.0)
+    for r in results:
+        assert torch.equal(r["before"], before["response_ids"])
+        width = after["response_ids"].shape[1]
+        assert torch.equal(r["after"][:, :width], after["response_ids"])
+        assert r["version"] == 1
+        assert r["metrics"]["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], abs=1e-6)
+    assert results[1]["sync"]["sync/bytes"] > 0 and results[1]["actor"] is None
+    got = _strip(results[0]["actor"], "model.")
+    for name, ref in state.actor.state_dict().items():
+        torch.testing.assert_close(got[name], ref, atol=2e-6, rtol=1e-5, msg=name)

@@ -115,9 +115,11 @@ def rollout(
         )
     params = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             stop_token_ids=tuple(stop_token_ids), ignore_stop=ignore_stop)
+    key = fold_in(state.seed, state.step, "rollout") if seed is None else seed
+    if "split" in state._cache:
+        return _split_rollout(state, prompts, params, key, decode)
     eng = get_engine(state, engine)
     sync = sync_engine(state, eng)
-    key = fold_in(state.seed, state.step, "rollout") if seed is None else seed
     dp = state._cache.get("rollout_dp")
     start = 0
     if dp is not None and dp.size > 1:
@@ -182,6 +184,44 @@ def batch_from_generation(prompts: Prompts, out, tokenizer, *, policy_version: i
     if decode and tokenizer is not None:
         texts = tokenizer.batch_decode([r[m].tolist() for r, m in zip(batch["response_ids"], batch["response_mask"])], skip_special_tokens=True)
         set_column(batch, "response_text", texts)
+    return batch
+
+
+def _split_rollout(state: TrainState, prompts: Prompts, params: SamplingParams, key: int, decode: bool) -> Batch:
+    """Split placement: the rollout ranks sample (after receiving new weights from the actor
+    ranks when the policy moved), then every rank gets the same global Batch."""
+    import torch.distributed as dist
+
+    from rlkit.parallel.placement import gather_rows
+    from rlkit.pipeline import split_prompts
+
+    cache, roles = state._cache, state._cache["split"]
+    sync: dict[str, float] = {}
+    if cache.get("synced_version") != state.policy_version:
+        sync = {f"sync/{k}": v for k, v in cache["split_sync"](state).items()}  # collective
+        cache["synced_version"] = state.policy_version
+    payload: list = [None]
+    if dist.get_rank() in roles.rollout_ranks:
+        dp, eng = cache["rollout_dp"], cache["engine"]
+        if len(prompts) % dp.size:
+            raise ValueError(f"{len(prompts)} prompts cannot be split evenly over {dp.size} generation replicas; use a multiple of {dp.size}")
+        local, start = split_prompts(prompts, dp)
+        gen = generator(fold_in(key, "replica", dp.rank), device=eng.device if eng.device.type in ("cpu", "cuda") else "cpu")
+        t0 = time.perf_counter()
+        out = eng.generate(local.ids, params, generator=gen)
+        seconds = time.perf_counter() - t0
+        batch = batch_from_generation(local, out, state.tokenizer, policy_version=state.policy_version, decode=decode)
+        batch.set("group", batch["group"] + start)
+        batch = gather_rows(batch, dp.mesh)
+        payload = [(batch, seconds)]
+    dist.broadcast_object_list(payload, src=roles.rollout_ranks[0])
+    batch, seconds = payload[0]
+    tokens = float(batch["response_mask"].sum())
+    batch.set_non_tensor("rollout_metrics", {
+        "rollout/seconds": seconds, "rollout/tokens": tokens, "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
+        "rollout/truncated_frac": float(batch["truncated"].float().mean()), "rollout/response_len": tokens / batch.batch_size[0],
+        **sync,
+    })
     return batch
 
 

@@ -163,6 +163,15 @@ def update(
         mini_batch_size = mini_batch_size // dp.size if mini_batch_size else None
         if b_global != batch.batch_size[0] * dp.size:
             raise ValueError("internal: uneven data-parallel split")
+    split = state._cache.get("split")
+    if split is not None and torch.distributed.get_rank() not in split.actor_ranks:
+        # split placement, a generation rank: the actor ranks train; receive their metrics
+        payload: list = [None]
+        torch.distributed.broadcast_object_list(payload, src=split.actor_ranks[0])
+        metrics = payload[0]
+        new_state = state.replace(step=state.step + 1, policy_version=state.policy_version + int(metrics.pop("_stepped")))
+        state.donate("rlkit.update")
+        return new_state, metrics
     b = batch.batch_size[0]
     horizon = batch["response_mask"].shape[-1]
     term_agg = agg or "token-mean"
@@ -290,6 +299,9 @@ def update(
     metrics["actor/lr"] = state.lr
     metrics["actor/skipped_steps"] = float(skipped)
     metrics["step"] = float(state.step + 1)
+    if split is not None:
+        payload = [{**metrics, "_stepped": 1 if steps_done else 0}]
+        torch.distributed.broadcast_object_list(payload, src=split.actor_ranks[0])
     new_state = state.replace(
         step=state.step + 1,
         policy_version=state.policy_version + (1 if steps_done else 0),
