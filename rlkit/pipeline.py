@@ -135,26 +135,36 @@ class Plan:
         actor_mesh = self.placement.mesh("actor")
         if not self.placement.colocated("actor", "rollout"):
             return self._shard_split(state)
-        if self.tp > 1:
-            raise NotImplementedError(
-                "tensor-parallel generation is not lowered yet: rlkit.parallel.gather_weights moves the weights "
-                "into a TP layout, but the built-in engine has no tensor-parallel forward; use tp=1"
-            )
         ranks = list(self.placement.ranks("actor"))
         me = dist.get_rank()
         dp = DataParallel(actor_mesh, ranks.index(me), len(ranks), mean_reduce=False)
         actor = state.actor
-        # the engine keeps its own full copy in the generation layout (the actor becomes sharded)
         dtype = self.rollout_dtype
-        weights = {k: v.detach().clone() if dtype is None else v.detach().to(dtype) for k, v in actor.named_parameters()}
-        engine = TorchEngine(actor.config, weights, pad_token_id=getattr(state.tokenizer, "pad_token_id", None))
-        engine.policy_version = state.policy_version
         opts = dict(mixed_precision=self.mixed_precision, cpu_offload=self.cpu_offload,
                     activation_checkpointing=self.activation_checkpointing, gradient_reduction="sum")
-        actor_module = fsdp.shard_model(LogprobModule(actor), actor_mesh, **opts)
+        pad = getattr(state.tokenizer, "pad_token_id", None)
+        rollout_dp = dp
+        if self.tp > 1:
+            # generation layout TP(tp) x DP(n / tp) on the same ranks; each rank keeps only its shard
+            from rlkit.parallel import gather_weights, role_mesh, tensor_parallel
+
+            if len(ranks) % self.tp:
+                raise ValueError(f"tp={self.tp} does not divide the {len(ranks)} ranks of the rollout role")
+            grid = role_mesh(ranks, (len(ranks) // self.tp, self.tp), ("dp", "tp"))
+            actor_module = fsdp.shard_model(LogprobModule(actor), actor_mesh, **opts)
+            weights, _ = gather_weights(actor, tensor_parallel(self.tp, dtype=dtype))
+            engine = TorchEngine(actor.config, weights, pad_token_id=pad, tp_group=grid["tp"].get_group())
+            replica = ranks.index(me) // self.tp
+            rollout_dp = DataParallel(grid["dp"], replica, len(ranks) // self.tp)
+        else:
+            # the engine keeps its own full copy in the generation layout (the actor becomes sharded)
+            weights = {k: v.detach().clone() if dtype is None else v.detach().to(dtype) for k, v in actor.named_parameters()}
+            engine = TorchEngine(actor.config, weights, pad_token_id=pad)
+            actor_module = fsdp.shard_model(LogprobModule(actor), actor_mesh, **opts)
+        engine.policy_version = state.policy_version
         cache = dict(state._cache)
         cache.update(dp=dp, actor_module=actor_module, engine=engine, engine_kind="torch",
-                     rollout_dp=dp, weight_sync=self._weight_sync)
+                     rollout_dp=rollout_dp, weight_sync=self._weight_sync)
         critic_opt = state.critic_optimizer
         if state.critic is not None:
             cache["critic_module"] = fsdp.shard_model(ValueModule(state.critic), actor_mesh, **opts)

@@ -126,6 +126,25 @@ def _post_attention(layer: dict, x: torch.Tensor, attn: torch.Tensor, shape: tup
     return x + _linear(act * up, layer, "mlp.down_proj")
 
 
+def _post_attention_tp(layer: dict, x: torch.Tensor, attn: torch.Tensor, shape: tuple, group) -> torch.Tensor:
+    """Tensor-parallel :func:`_post_attention`: this rank holds a column slice of q/k/v/gate/up and
+    the matching row slice of o/down, so the two row-parallel products are partial sums that an
+    all-reduce over the TP group completes (Megatron-LM's layout, Shoeybi et al. 2019)."""
+    import torch.distributed as dist
+    from transformers.activations import ACT2FN
+
+    eps, activation = shape[3], shape[4]
+    out = _linear(attn, layer, "self_attn.o_proj")
+    dist.all_reduce(out, group=group)
+    x = x + out
+    h = _rms_norm(x, layer["post_attention_layernorm.weight"], eps)
+    gate, up = _linear(h, layer, "mlp.gate_proj"), _linear(h, layer, "mlp.up_proj")
+    act = F.silu(gate) if activation == "silu" else ACT2FN[activation](gate)
+    down = _linear(act * up, layer, "mlp.down_proj")
+    dist.all_reduce(down, group=group)
+    return x + down
+
+
 _COMPILED: tuple | None = None
 
 
@@ -333,6 +352,7 @@ class TorchEngine:
         fused_sampling: bool | None = None,
         cache_bucket: int = 64,
         compile_decode: bool | None = None,
+        tp_group=None,
     ):
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED:
@@ -377,6 +397,25 @@ class TorchEngine:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
+        self.tp_group = tp_group
+        self.tp_size = 1
+        if tp_group is not None:
+            import torch.distributed as dist
+
+            self.tp_size = dist.get_world_size(tp_group)
+        if self.tp_size > 1:
+            # weights are this rank's tensor-parallel shards: heads split evenly across the group
+            if self.num_heads % self.tp_size or self.num_kv_heads % self.tp_size:
+                raise ValueError(
+                    f"tensor parallelism {self.tp_size} must divide the attention heads ({self.num_heads}) and the "
+                    f"key/value heads ({self.num_kv_heads}) of this model"
+                )
+            if any(f"model.layers.0.{n}.bias" in self.weights for n in ("self_attn.o_proj", "mlp.down_proj")):
+                raise ValueError("tensor-parallel generation does not support biases on o_proj/down_proj")
+            self.num_heads //= self.tp_size
+            self.num_kv_heads //= self.tp_size
+            # collectives inside the step: keep the plain eager path (no graphs, compile or fusion)
+            cuda_graphs, fuse, compile_decode = False, False, False
         self._shape = (self.num_heads, self.num_kv_heads, self.head_dim, float(self.eps), str(config.hidden_act))
         self.layers = []
         for i in range(self.num_layers):
@@ -515,6 +554,8 @@ class TorchEngine:
         return _pre_attention(layer, x, cos, sin, self._shape)
 
     def _post_attention(self, layer: dict, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            return _post_attention_tp(layer, x, attn, self._shape, self.tp_group)
         return _post_attention(layer, x, attn, self._shape)
 
     def _forward(self, ids: torch.Tensor, cos, sin, attend, compiled: bool = False) -> torch.Tensor:
