@@ -92,10 +92,15 @@ class Pipeline:
         cpu_offload: bool = False,
         activation_checkpointing: bool = False,
         rollout_dtype: torch.dtype | None = None,
+        release_rollout_memory: bool = False,
     ) -> "Plan":
         """Lower onto a placement: ``None`` = this process (identity when torch.distributed is
         off, every role colocated on all ranks when it is on); a DeviceMesh = every role
-        colocated on it; or an :class:`rlkit.parallel.Placement` (role -> mesh)."""
+        colocated on it; or an :class:`rlkit.parallel.Placement` (role -> mesh).
+
+        ``release_rollout_memory``: colocated roles take turns on memory — the engine frees its
+        KV cache (and CUDA graphs) after every rollout so training gets that memory back, at the
+        cost of rebuilding them on the next rollout."""
         from rlkit.parallel import Placement, colocated_placement, local_placement
 
         distributed = dist.is_available() and dist.is_initialized()
@@ -104,7 +109,8 @@ class Pipeline:
         elif not isinstance(placement, Placement):
             placement = colocated_placement(placement)
         return Plan(self, placement, tp=tp, mixed_precision=mixed_precision, cpu_offload=cpu_offload,
-                    activation_checkpointing=activation_checkpointing, rollout_dtype=rollout_dtype)
+                    activation_checkpointing=activation_checkpointing, rollout_dtype=rollout_dtype,
+                    release_rollout_memory=release_rollout_memory)
 
 
 @dataclass
@@ -118,6 +124,7 @@ class Plan:
     cpu_offload: bool = False
     activation_checkpointing: bool = False
     rollout_dtype: torch.dtype | None = None
+    release_rollout_memory: bool = False
     reports: list = field(default_factory=list)
 
     @property
@@ -127,6 +134,8 @@ class Plan:
     def shard(self, state: TrainState) -> TrainState:
         """Wrap the trained roles with FSDP2 and set up the rollout layout; identity on one process."""
         if self.is_local:
+            if self.release_rollout_memory:
+                return state.replace(_cache={**state._cache, "release_engine": True})
             return state
         from rlkit.engines.torch_engine import TorchEngine
         from rlkit.models.logprobs import LogprobModule, ValueModule
@@ -164,7 +173,7 @@ class Plan:
         engine.policy_version = state.policy_version
         cache = dict(state._cache)
         cache.update(dp=dp, actor_module=actor_module, engine=engine, engine_kind="torch",
-                     rollout_dp=rollout_dp, weight_sync=self._weight_sync)
+                     rollout_dp=rollout_dp, weight_sync=self._weight_sync, release_engine=self.release_rollout_memory)
         critic_opt = state.critic_optimizer
         if state.critic is not None:
             cache["critic_module"] = fsdp.shard_model(ValueModule(state.critic), actor_mesh, **opts)

@@ -242,3 +242,21 @@ def test_tensor_parallel_generation_after_resharding():
         width = after["response_ids"].shape[1]
         assert torch.equal(r["after"][:, :width], after["response_ids"])
         assert r["sync"]["sync/bytes"] > 0
+
+
+def test_colocated_roles_can_take_turns_on_memory():
+    """With release_rollout_memory the engine frees its kept KV cache / CUDA graphs after every
+    rollout (on GPU they are otherwise kept for the next call; on CPU nothing is kept anyway)."""
+    task = _task()
+    state = rk.init(_model(task), _spec(), tokenizer=task.tokenizer)
+    for release, expected in ((False, 0), (True, 2)):
+        s = rk.Pipeline(rk.recipes.get("grpo"), reward=task.reward).lower(release_rollout_memory=release).shard(state)
+        from rlkit.transforms.rollout import get_engine
+
+        engine = get_engine(s)
+        calls = []
+        engine.release = lambda: calls.append(1)
+        for _ in range(2):
+            batch = rk.rollout(s, task.train.batch_at(0, 2), n=2, max_new_tokens=3)
+        assert len(calls) == expected and batch.batch_size[0] == 4
+        s._cache.pop("engine", None)

@@ -135,6 +135,8 @@ def rollout(
     t0 = time.perf_counter()
     out = eng.generate(prompts.ids, params, generator=gen)
     seconds = time.perf_counter() - t0
+    if state._cache.get("release_engine") and hasattr(eng, "release"):
+        eng.release()  # colocated roles take turns: training gets the KV-cache memory back
     batch = batch_from_generation(prompts, out, tokenizer, policy_version=state.policy_version, decode=decode)
     if dp is not None and dp.size > 1:
         from rlkit.parallel.placement import gather_rows
