@@ -60,7 +60,7 @@ def mesh(*shape: int, names: tuple[str, ...] | None = None):
     """A DeviceMesh over all ranks (``rk.mesh()`` = 1-D data parallel over the world)."""
     from rlkit.parallel import device_mesh
 
-    return device_mesh(shape or None, names) if shape else device_mesh()
+    return device_mesh(shape or None, names)
 
 
 StepFn = Callable[[TrainState, Prompts, Callable], "tuple[TrainState, dict]"]
@@ -257,16 +257,11 @@ class Plan:
 
     def fit(self, state: TrainState, prompts, *, steps: int, batch_size: int, **kwargs):
         """:func:`rlkit.fit` over this plan (same arguments)."""
+        from types import SimpleNamespace
+
         from rlkit.loop import fit
 
-        class _Step:
-            def __init__(self, plan):
-                self.plan = plan
-
-            def step(self, state, batch_prompts, reward):
-                return self.plan.step(state, batch_prompts)
-
-        return fit(state, _Step(self), self.pipeline.reward, prompts, steps=steps, batch_size=batch_size, **kwargs)
+        return fit(state, SimpleNamespace(step=self.pipeline._fn()), self.pipeline.reward, prompts, steps=steps, batch_size=batch_size, **kwargs)
 
 
 def split_prompts(prompts: Prompts, dp: DataParallel) -> tuple[Prompts, int]:

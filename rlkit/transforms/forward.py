@@ -46,7 +46,8 @@ def _comm_device(dp):
     return torch.device("cpu")
 
 
-def _module_device(model) -> torch.device:
+def module_device(model) -> torch.device:
+    """Where ``model`` computes: its parameters' device, or this rank's device for DTensor (FSDP) shards."""
     param = next(model.parameters())
     mesh = getattr(param, "device_mesh", None)
     if mesh is not None:
@@ -60,7 +61,7 @@ def model_logprobs(model, batch: Batch, *, temperature: float = 1.0, micro_batch
     from rlkit.models.logprobs import response_logprobs
 
     validate(batch, require=("prompt_ids", "prompt_mask", "response_ids", "response_mask"))
-    device = _module_device(model)
+    device = module_device(model)
     was_training = model.training
     model.eval()
     out_lp, out_ent = [], []
@@ -105,7 +106,7 @@ def compute_values(state, batch: Batch, *, micro_batch_size: int | None = None) 
         raise ValueError("state has no critic; create it with rk.init(model, critic=rk.models.critic(model))")
     validate(batch, require=("prompt_ids", "response_ids"))
     critic = state._cache.get("critic_module", state.critic)
-    device = _module_device(critic)
+    device = module_device(critic)
     was_training = critic.training
     critic.eval()
 

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rlkit.batch import Batch, make_batch, set_column
+from rlkit.batch import Batch, set_column
 from rlkit.data import Prompts, as_prompts
 from rlkit.engines.base import Engine, SamplingParams
 from rlkit.state import TrainState, fold_in, generator
@@ -120,10 +120,15 @@ def rollout(
         return _split_rollout(state, prompts, params, key, decode)
     eng = get_engine(state, engine)
     sync = sync_engine(state, eng)
-    dp = state._cache.get("rollout_dp")
+    batch, seconds, engine_metrics = _sample_share(state, eng, prompts, params, key, state._cache.get("rollout_dp"), decode)
+    return _with_metrics(batch, seconds, {**sync, **engine_metrics})
+
+
+def _sample_share(state: TrainState, eng: Engine, prompts: Prompts, params: SamplingParams, key: int, dp, decode: bool):
+    """Sample this generation replica's contiguous share of the prompts (whole groups) and gather
+    every replica's rows into one Batch; returns ``(batch, seconds, engine metrics)``."""
     start = 0
     if dp is not None and dp.size > 1:
-        # generation replicas: each samples a contiguous share of the prompts (whole groups)
         if len(prompts) % dp.size:
             raise ValueError(f"{len(prompts)} prompts cannot be split evenly over {dp.size} generation replicas; use a multiple of {dp.size}")
         from rlkit.pipeline import split_prompts
@@ -137,23 +142,25 @@ def rollout(
     seconds = time.perf_counter() - t0
     if state._cache.get("release_engine") and hasattr(eng, "release"):
         eng.release()  # colocated roles take turns: training gets the KV-cache memory back
-    batch = batch_from_generation(prompts, out, tokenizer, policy_version=state.policy_version, decode=decode)
+    batch = batch_from_generation(prompts, out, state.tokenizer, policy_version=state.policy_version, decode=decode)
     if dp is not None and dp.size > 1:
         from rlkit.parallel.placement import gather_rows
 
         batch.set("group", batch["group"] + start)
         batch = gather_rows(batch, dp.mesh)
+    return batch, seconds, {f"rollout/{k}": float(v) for k, v in out.metrics.items()}
+
+
+def _with_metrics(batch: Batch, seconds: float, extra: dict[str, float]) -> Batch:
     tokens = float(batch["response_mask"].sum())
-    metrics = {
+    batch.set_non_tensor("rollout_metrics", {
         "rollout/seconds": seconds,
         "rollout/tokens": tokens,
         "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
         "rollout/truncated_frac": float(batch["truncated"].float().mean()),
         "rollout/response_len": tokens / batch.batch_size[0],
-        **sync,
-        **{f"rollout/{k}": float(v) for k, v in out.metrics.items()},
-    }
-    batch.set_non_tensor("rollout_metrics", metrics)
+        **extra,
+    })
     return batch
 
 
@@ -194,9 +201,6 @@ def _split_rollout(state: TrainState, prompts: Prompts, params: SamplingParams, 
     ranks when the policy moved), then every rank gets the same global Batch."""
     import torch.distributed as dist
 
-    from rlkit.parallel.placement import gather_rows
-    from rlkit.pipeline import split_prompts
-
     cache, roles = state._cache, state._cache["split"]
     sync: dict[str, float] = {}
     if cache.get("synced_version") != state.policy_version:
@@ -204,27 +208,10 @@ def _split_rollout(state: TrainState, prompts: Prompts, params: SamplingParams, 
         cache["synced_version"] = state.policy_version
     payload: list = [None]
     if dist.get_rank() in roles.rollout_ranks:
-        dp, eng = cache["rollout_dp"], cache["engine"]
-        if len(prompts) % dp.size:
-            raise ValueError(f"{len(prompts)} prompts cannot be split evenly over {dp.size} generation replicas; use a multiple of {dp.size}")
-        local, start = split_prompts(prompts, dp)
-        gen = generator(fold_in(key, "replica", dp.rank), device=eng.device if eng.device.type in ("cpu", "cuda") else "cpu")
-        t0 = time.perf_counter()
-        out = eng.generate(local.ids, params, generator=gen)
-        seconds = time.perf_counter() - t0
-        batch = batch_from_generation(local, out, state.tokenizer, policy_version=state.policy_version, decode=decode)
-        batch.set("group", batch["group"] + start)
-        batch = gather_rows(batch, dp.mesh)
-        payload = [(batch, seconds)]
+        payload = [_sample_share(state, cache["engine"], prompts, params, key, cache["rollout_dp"], decode)]
     dist.broadcast_object_list(payload, src=roles.rollout_ranks[0])
-    batch, seconds = payload[0]
-    tokens = float(batch["response_mask"].sum())
-    batch.set_non_tensor("rollout_metrics", {
-        "rollout/seconds": seconds, "rollout/tokens": tokens, "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
-        "rollout/truncated_frac": float(batch["truncated"].float().mean()), "rollout/response_len": tokens / batch.batch_size[0],
-        **sync,
-    })
-    return batch
+    batch, seconds, engine_metrics = payload[0]
+    return _with_metrics(batch, seconds, {**sync, **engine_metrics})
 
 
 def _engine_device(engine, state) -> torch.device:
@@ -248,8 +235,6 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
 
 def concat(batches: Sequence[Batch]) -> Batch:
     """Concatenate batches, renumbering ``group`` ids so groups from different calls never merge."""
-    from rlkit.batch import _pad_left, _pad_right  # noqa: F401
-
     if not batches:
         raise ValueError("concat needs at least one batch")
     widths_p = max(b["prompt_ids"].shape[1] for b in batches)

@@ -28,6 +28,7 @@ from rlkit.algos.kl import kl_penalty
 from rlkit.algos.losses import POLICY_LOSSES, aggregate, value_loss
 from rlkit.batch import Batch, BatchError, validate
 from rlkit.state import TrainState
+from rlkit.transforms.forward import module_device
 
 LossSpec = str | Callable | tuple
 
@@ -70,9 +71,9 @@ def _global_sum(x: torch.Tensor, state: TrainState) -> torch.Tensor:
     dp = _dp(state)
     if dp is None:
         return x
-    x = x.clone()
-    torch.distributed.all_reduce(x, group=dp.group)
-    return x
+    from rlkit.parallel.fsdp import global_sum
+
+    return global_sum(x, dp.mesh)
 
 
 def _check_sizes(b: int, mini: int | None, micro: int | None) -> tuple[int, int]:
@@ -156,13 +157,10 @@ def update(
         # data parallel: this rank trains on its contiguous rows of the global batch
         from rlkit.parallel.placement import shard_rows
 
-        b_global = batch.batch_size[0]
         if mini_batch_size and mini_batch_size % dp.size:
             raise ValueError(f"mini_batch_size={mini_batch_size} must be divisible by the {dp.size} data-parallel ranks")
-        batch = shard_rows(batch, dp.mesh)
+        batch = shard_rows(batch, dp.mesh)  # raises when the rows do not split evenly
         mini_batch_size = mini_batch_size // dp.size if mini_batch_size else None
-        if b_global != batch.batch_size[0] * dp.size:
-            raise ValueError("internal: uneven data-parallel split")
     split = state._cache.get("split")
     if split is not None and torch.distributed.get_rank() not in split.actor_ranks:
         # split placement, a generation rank: the actor ranks train; receive their metrics
@@ -180,7 +178,7 @@ def update(
     actor, optimizer = state.actor, state.optimizer
     actor_module = state._cache.get("actor_module", actor)
     critic_module = state._cache.get("critic_module", state.critic)
-    device = _device_of(actor)
+    device = module_device(actor)
     actor.train()
     grad_scale = float(dp.size) if dp is not None and dp.mean_reduce else 1.0
 
@@ -309,13 +307,6 @@ def update(
     )
     state.donate("rlkit.update")
     return new_state, metrics
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    param = next(model.parameters())
-    mesh = getattr(param, "device_mesh", None)
-    return torch.device(mesh.device_type, torch.cuda.current_device()) if mesh is not None and mesh.device_type == "cuda" else (
-        torch.device("cpu") if mesh is not None else param.device)
 
 
 def _reduce_metrics(metrics, gap_abs, gap_max, n_tok, dp, device):
