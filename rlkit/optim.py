@@ -58,6 +58,9 @@ class OptimizerSpec:
         kwargs = dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
         if self.fused is not None:
             kwargs["fused"] = self.fused
+        elif params and all(p.is_cuda and p.is_floating_point() for p in params):
+            # one kernel per parameter group instead of foreach's several (same arithmetic)
+            kwargs["fused"] = True
         optimizer = torch.optim.AdamW(params, **kwargs)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor)
         return optimizer, scheduler

@@ -141,6 +141,7 @@ def init(
     critic_optimizer: OptimizerSpec | None = None,
     seed: int = 0,
     device: torch.device | str | None = None,
+    compile: bool | str = "auto",
 ) -> TrainState:
     """Make the initial TrainState.
 
@@ -149,6 +150,9 @@ def init(
     - ``ref="copy"`` freezes a deep copy of the actor as the KL reference.
     - ``critic``: a value model (``rlkit.models.critic(model)``) for PPO; trained with
       ``critic_optimizer`` (defaults to the actor's spec).
+    - ``compile``: ``torch.compile`` the decoder blocks of actor, reference and critic in place
+      (:mod:`rlkit.models.compile`); ``"auto"`` (default) does it on CUDA when Triton is
+      importable, never on CPU. A compiler failure falls back to eager mode with a warning.
     """
     from rlkit.optim import adamw
 
@@ -170,6 +174,10 @@ def init(
     if critic is not None:
         critic = critic.to(next(model.parameters()).device)
         c_opt, c_sched = (critic_optimizer or spec).build(critic.parameters())
+    from rlkit.models.compile import maybe_compile
+
+    for module in (model, ref, critic):
+        maybe_compile(module, compile)
     torch.manual_seed(fold_in(seed, "init"))
     return TrainState(
         actor=model,

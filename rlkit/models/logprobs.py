@@ -513,8 +513,10 @@ def response_logprobs(
     ``model``: a causal LM, or a :class:`LogprobModule` (possibly FSDP-wrapped) to call as is.
     Gradients flow to the model's parameters. See :class:`LogprobModule` for the formula.
     """
+    from rlkit.models.compile import eager_fallback
+
     module = model if isinstance(model, LogprobModule) else LogprobModule(model)
-    return module(
+    return eager_fallback(module, lambda: module(
         prompt_ids,
         prompt_mask,
         response_ids,
@@ -523,7 +525,7 @@ def response_logprobs(
         with_entropy=with_entropy,
         chunk_tokens=chunk_tokens,
         layout=layout,
-    )
+    ))
 
 
 def values_for_response(
@@ -536,5 +538,7 @@ def values_for_response(
     layout: str = "packed",
 ) -> torch.Tensor:
     """Critic values ``(b t)`` f32 aligned with the response tokens (0 where masked)."""
+    from rlkit.models.compile import eager_fallback
+
     module = critic if isinstance(critic, ValueModule) else ValueModule(critic)
-    return module(prompt_ids, prompt_mask, response_ids, response_mask, layout=layout)
+    return eager_fallback(module, lambda: module(prompt_ids, prompt_mask, response_ids, response_mask, layout=layout))

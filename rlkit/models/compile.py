@@ -1,0 +1,127 @@
+"""``torch.compile`` for the training-side decoder: each transformer block compiled in place.
+
+Why per block, in place (``nn.Module.compile``): the blocks of a model share one code object and
+(with dynamo's default ``inline_inbuilt_nn_modules``) their parameters are graph *inputs*, so one
+compiled graph serves every block of every model of the same config (actor and reference alike);
+the state-dict keys do not change (no ``_orig_mod.`` prefix), so checkpoints, weight sync and
+FSDP2's per-block ``fully_shard`` see the same module tree. ``dynamic=True`` because the packed
+token count changes every batch.
+
+What it buys on GPU (Qwen2.5-0.5B shape, one H200, ``benchmarks/grpo_step.py``): the RMSNorms,
+rotary embeddings, SiLU-gating and residual adds of each block fuse into a few kernels; see
+``benchmarks/README.md`` for the measured update and log-prob pass figures.
+
+:func:`maybe_compile` is what :func:`rlkit.state.init` calls (``compile="auto"``: on CUDA when
+Triton is importable; never on CPU, where compilation needs a C++ toolchain and takes longer than
+the tiny models it would speed up). :func:`eager_fallback` keeps a compiler failure from stopping
+a run: the blocks go back to eager mode, a warning names the error, and the call is retried.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+#: environment override for ``compile="auto"``: "0" never compiles, "1" compiles on any device
+ENV = "RLKIT_COMPILE"
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    from rlkit.parallel.fsdp import decoder_layers
+
+    return decoder_layers(model)
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """True when the decoder blocks of ``model`` run through ``torch.compile``."""
+    blocks = _blocks(model)
+    return bool(blocks) and all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
+
+
+def compile_layers(model: nn.Module, *, dynamic: bool = True, backend: str | Callable = "inductor", **options: Any) -> int:
+    """Compile every decoder block of ``model`` in place; returns how many were compiled.
+
+    Idempotent for blocks already compiled. Raises ``ValueError`` when the model has no
+    recognisable block list (``model.model.layers`` for Llama/Qwen)."""
+    blocks = _blocks(model)
+    if not blocks:
+        raise ValueError(
+            f"compile_layers: found no decoder blocks in {type(model).__name__} (looked for an nn.ModuleList named "
+            "'layers', 'h' or 'blocks'); compile the model yourself with torch.compile or pass compile=False"
+        )
+    for block in blocks:
+        if getattr(block, "_compiled_call_impl", None) is None:
+            block.compile(dynamic=dynamic, backend=backend, **options)
+    return len(blocks)
+
+
+def uncompile_layers(model: nn.Module) -> None:
+    """Put the decoder blocks back in eager mode (undoes :func:`compile_layers`)."""
+    for block in _blocks(model):
+        block._compiled_call_impl = None
+
+
+def auto_enabled(model: nn.Module) -> bool:
+    """The ``compile="auto"`` rule: the model's parameters are on CUDA and Triton is importable
+    (``RLKIT_COMPILE=0`` / ``=1`` overrides it)."""
+    env = os.environ.get(ENV)
+    if env is not None and env.strip() != "":
+        return env.strip() not in ("0", "false", "False", "no")
+    param = next(model.parameters(), None)
+    return param is not None and param.is_cuda and importlib.util.find_spec("triton") is not None
+
+
+def maybe_compile(model: nn.Module | None, mode: bool | str) -> bool:
+    """Apply ``compile`` = True / False / "auto" to ``model``'s blocks; returns whether it compiled."""
+    if model is None or mode is False:
+        return False
+    if mode not in (True, "auto"):
+        raise ValueError(f"compile must be True, False or 'auto', got {mode!r}")
+    if mode == "auto" and not auto_enabled(model):
+        return False
+    if mode == "auto" and not _blocks(model):
+        return False
+    compile_layers(model)
+    return True
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = []
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+
+        errors.append(TorchDynamoException)
+    except ImportError:  # pragma: no cover - very old torch
+        pass
+    try:
+        from torch._inductor.exc import InductorError
+
+        errors.append(InductorError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(errors)
+
+
+def eager_fallback(model: nn.Module, call: Callable[[], Any]) -> Any:
+    """``call()``; if it fails inside the compiler, uncompile ``model``'s blocks, warn, and retry eagerly.
+
+    A compile error is raised on the first forward of a new shape, before any parameter or
+    optimizer state changes, so the retry computes exactly what the failed call would have."""
+    if not is_compiled(model):
+        return call()
+    try:
+        return call()
+    except _compile_errors() as exc:
+        uncompile_layers(model)
+        warnings.warn(
+            f"rlkit: torch.compile failed on {type(model).__name__}'s decoder blocks ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); continuing in eager mode. "
+            f"Pass compile=False to rk.init (or set {ENV}=0) to skip compilation.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return call()

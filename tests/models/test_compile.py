@@ -1,0 +1,82 @@
+"""torch.compile of the decoder blocks: same numbers, same module tree, and a failing compiler
+falls back to eager instead of stopping the run. Uses dynamo's "eager" backend on CPU (the real
+inductor path is exercised on GPU by benchmarks/grpo_step.py)."""
+import copy
+
+import pytest
+import torch
+
+from rlkit.batch import make_batch
+from rlkit.models import response_logprobs, tiny
+from rlkit.models.compile import ENV, compile_layers, is_compiled, maybe_compile, uncompile_layers
+from rlkit.models.tokenizers import char_tokenizer
+from rlkit.optim import adamw
+from rlkit.state import init
+
+PROMPTS = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
+RESPONSES = [[5, 5, 5, 6], [7], [8, 9]]
+
+
+def _model(seed=0):
+    tok = char_tokenizer("0123456789+= ")
+    return tiny(tok, hidden_size=64, intermediate_size=128, initializer_range=0.2, seed=seed)
+
+
+def _args():
+    b = make_batch(PROMPTS, RESPONSES, pad_token_id=0)
+    return b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"]
+
+
+def _lp_and_grads(model):
+    model.zero_grad(set_to_none=True)
+    lp, ent = response_logprobs(model, *_args(), with_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_compiled_blocks_give_the_same_logprobs_gradients_and_state_dict():
+    eager, compiled = _model(), _model()
+    keys = list(compiled.state_dict())
+    assert compile_layers(compiled, backend="eager") == compiled.config.num_hidden_layers
+    assert is_compiled(compiled) and not is_compiled(eager)
+    assert list(compiled.state_dict()) == keys  # no _orig_mod. prefix: checkpoints and sync unchanged
+    lp0, g0 = _lp_and_grads(eager)
+    lp1, g1 = _lp_and_grads(compiled)
+    torch.testing.assert_close(lp1, lp0, rtol=0, atol=1e-6)
+    assert g0.keys() == g1.keys()
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-7, msg=name)
+    uncompile_layers(compiled)
+    assert not is_compiled(compiled)
+
+
+def test_a_failing_compiler_falls_back_to_eager_with_a_warning():
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("backend exploded")
+
+    model = _model()
+    reference = copy.deepcopy(model)
+    compile_layers(model, backend=broken_backend)
+    with pytest.warns(RuntimeWarning, match="continuing in eager mode"):
+        lp = response_logprobs(model, *_args())[0]
+    assert not is_compiled(model)
+    torch.testing.assert_close(lp, response_logprobs(reference, *_args())[0], rtol=0, atol=0)
+
+
+def test_init_compiles_on_auto_only_where_it_pays(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    state = init(_model(), adamw(lr=1e-3), ref="copy")  # CPU: auto means off
+    assert not is_compiled(state.actor) and not is_compiled(state.ref)
+    monkeypatch.setenv(ENV, "1")  # forced on (nothing runs here, so no C++ toolchain is needed)
+    state = init(_model(), adamw(lr=1e-3), ref="copy")
+    assert is_compiled(state.actor) and is_compiled(state.ref)
+    monkeypatch.setenv(ENV, "0")
+    assert not maybe_compile(_model(), "auto")
+    assert maybe_compile(_model(), True) is True  # an explicit True ignores the auto rule
+    with pytest.raises(ValueError, match="compile must be True, False or 'auto'"):
+        init(_model(), adamw(lr=1e-3), compile="yes")
+
+
+def test_compile_layers_names_the_problem_for_a_model_without_blocks():
+    with pytest.raises(ValueError, match="found no decoder blocks"):
+        compile_layers(torch.nn.Linear(2, 2))
