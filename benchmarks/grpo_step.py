@@ -1,6 +1,6 @@
 """One GRPO step of rlkit, timed phase by phase: rollout, log-prob passes, update (and TRL's, with --compare trl).
 
-    python benchmarks/grpo_step.py --preset qwen2.5-0.5b --device cuda --compare trl
+    python benchmarks/grpo_step.py --preset qwen2.5-0.5b --device cuda --check --variants --configs --compare trl
     python benchmarks/grpo_step.py --preset cpu --device cpu --compare trl
 
 A step is ``rollout -> score -> advantage("grpo") -> [old log-probs] -> [ref log-probs] ->
@@ -10,8 +10,9 @@ built-in engine (``rollout`` syncs its weights first: after each update that is 
 
 FLOP convention (issue 5): training = 6 x params x tokens, a forward-only pass = 2 x params x
 tokens, tokens = every real prompt+response token; the ceiling is a measured 8192^3 bf16 matmul.
-``--variants`` (GPU) also times engine and log-prob variants; ``--check`` (GPU) compares the
-fast paths against the plain ones first.
+``--variants`` (GPU) also times engine and log-prob variants and profiles the decode kernels;
+``--check`` (GPU) compares the fast paths against the plain ones first; ``--configs`` times other
+step configurations side by side (no separate old-policy pass, larger micro-batches, eager model).
 """
 from __future__ import annotations
 
@@ -213,37 +214,33 @@ def run_checks(model, tok, wl, device) -> dict:
 def run_variants(model, state, prompts, wl, device, n_params) -> dict:
     """Engine configurations, and the log-prob pass with each fast path on/off."""
     from rlkit.engines import SamplingParams, TorchEngine
+    from rlkit.engines import torch_engine as te
     from rlkit.models import logprobs as L
     from rlkit.transforms.forward import compute_old_logprobs
     from rlkit.transforms.rollout import rollout
 
     res = {"engine": {}, "logprobs": {}}
     ids = prompts.ids
-    plain = dict(fuse=False, fused_sampling=False, compile_decode=False)
     configs = [
-        ("eager, unfused, torch sampling", dict(plain, cuda_graphs=False), wl.n),
-        ("graphs over the whole cache", dict(plain, cache_bucket=10**9), wl.n),
-        ("graphs, bucket 64", plain, wl.n),
-        ("+ fused qkv/gate-up", dict(fused_sampling=False, compile_decode=False), wl.n),
-        ("+ Triton sampler", dict(compile_decode=False), wl.n),
-        ("+ compiled layer pieces (default)", {}, wl.n),
-        ("default, bucket 32", dict(cache_bucket=32), wl.n),
-        ("default, bucket 128", dict(cache_bucket=128), wl.n),
-        ("default, batch 512", {}, 2 * wl.n),
+        # (name, engine kwargs, samples per prompt, te.FUSE_DECODE_EPILOGUES)
+        ("graphs + fused weights + Triton sampler, not compiled", dict(compile_decode=False), wl.n, True),
+        ("+ compiled layer halves, separate cache copies", {}, wl.n, False),
+        ("+ compiled layer entry/exit, in-graph cache writes (default)", {}, wl.n, True),
+        ("default, batch 512", {}, 2 * wl.n, True),
     ]
-    for name, kw, n in configs:
+    for name, kw, n, fuse_epilogues in configs:
+        te.FUSE_DECODE_EPILOGUES = fuse_epilogues
         try:
             eng = TorchEngine.from_model(model, **kw)
             params = SamplingParams(n=n, max_new_tokens=wl.max_new_tokens, temperature=1.0, ignore_stop=True)
-            gen = None  # the default CUDA generator: graph-safe for the torch sampler too
             t0 = time.perf_counter()
-            eng.generate(ids, params, generator=gen)  # warm-up: kernels, compilation, graph captures
+            eng.generate(ids, params)  # warm-up: kernels, compilation, graph captures
             warm = time.perf_counter() - t0
             _sync(device)
             best = None
             for _ in range(2):
                 t0 = time.perf_counter()
-                out = eng.generate(ids, params, generator=gen)
+                out = eng.generate(ids, params)
                 _sync(device)
                 dt = time.perf_counter() - t0
                 best = dt if best is None else min(best, dt)
@@ -252,13 +249,19 @@ def run_variants(model, state, prompts, wl, device, n_params) -> dict:
                                    "ms_per_decode_step": 1e3 * (best - out.metrics["prefill_seconds"]) / max(1, wl.max_new_tokens - 1),
                                    "prefill_s": out.metrics["prefill_seconds"], "first_call_s": warm,
                                    "graphs": out.metrics.get("graphs"), "compile_error": eng.compile_error}
-            print(f"  engine {name:40s} {tokens / best:10.0f} tok/s  {best:.3f}s (first call {warm:.1f}s)", flush=True)
+            print(f"  engine {name:60s} {tokens / best:10.0f} tok/s  {best:.3f}s (first call {warm:.1f}s)", flush=True)
             eng.release()
             del eng, out
         except Exception as exc:  # noqa: BLE001 - a failing variant is reported, the rest still run
             res["engine"][name] = {"error": repr(exc)}
             traceback.print_exc()
         torch.cuda.empty_cache()
+    te.FUSE_DECODE_EPILOGUES = True
+    try:
+        res["decode_kernels"] = profile_decode(model, ids, wl)
+    except Exception as exc:  # noqa: BLE001
+        res["decode_kernels"] = {"error": repr(exc)}
+        traceback.print_exc()
 
     batch = rollout(state, prompts, n=wl.n, max_new_tokens=wl.max_new_tokens, ignore_stop=wl.ignore_eos)
     tokens = float(batch["prompt_mask"].sum() + batch["response_mask"].sum())
@@ -289,6 +292,42 @@ def run_variants(model, state, prompts, wl, device, n_params) -> dict:
         torch.cuda.empty_cache()
     L.USE_VARLEN_ATTENTION = L.USE_FUSED_LOGPROBS = True
     return res
+
+
+def profile_decode(model, ids, wl, tokens: int = 40) -> dict:
+    """Kernel time of the default engine's decode steps (CUDA graphs replayed), by kernel name:
+    where a decode step's time goes. Prints the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rlkit.engines import SamplingParams, TorchEngine
+
+    eng = TorchEngine.from_model(model)
+    params = SamplingParams(n=wl.n, max_new_tokens=tokens, temperature=1.0, ignore_stop=True)
+    for _ in range(2):
+        eng.generate(ids, params)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        out = eng.generate(ids, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    rows = []
+    for e in prof.key_averages():
+        if not str(getattr(e, "device_type", "")).endswith("CUDA"):
+            continue  # CPU-side ops and runtime calls; kernels (and memcpy/memset) are CUDA events
+        dev = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if dev:
+            rows.append((e.key, float(dev), int(e.count)))
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    steps = tokens - 1
+    print(f"  decode kernels over {steps} steps (+ prefill), wall {wall:.3f}s, kernel time {total / 1e3:.1f} ms:", flush=True)
+    for name, us, count in rows[:18]:
+        print(f"    {us / steps:8.1f} us/step  {count / steps:6.1f} calls/step  {name[:90]}", flush=True)
+    eng.release()
+    return {"steps": steps, "wall_s": wall, "kernel_ms_total": total / 1e3, "kernels_per_step": sum(r[2] for r in rows) / steps,
+            "top": [{"name": n[:120], "us_per_step": us / steps, "calls_per_step": c / steps} for n, us, c in rows[:25]],
+            "tokens": float(out.response_mask.sum())}
 
 
 # --------------------------------------------------------------------------------------- main
@@ -335,6 +374,47 @@ def summarize(wl, times_list, metrics_list, n_params, ceilings, device) -> dict:
     return out
 
 
+def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dict):
+    """Time other step configurations in the same process, each after one warm-up step."""
+    import dataclasses
+
+    from rlkit.models.compile import compile_layers, is_compiled, uncompile_layers
+
+    configs = [("old = rollout log-probs (no separate old pass)", dict(old_logprobs=False), None)]
+    if device.type == "cuda":
+        configs.append(("update micro-batch 128, log-prob passes 256 rows", dict(micro_batch=128, logprob_micro_batch=256), None))
+        if is_compiled(model):
+            configs.append(("eager model (compile=False)", {}, "eager"))
+    for name, changes, mode in configs:
+        cwl = dataclasses.replace(wl, **changes)
+        try:
+            if mode == "eager":
+                for m in (state.actor, state.ref):
+                    if m is not None:
+                        uncompile_layers(m)
+            times, metrics = [], []
+            for i in range(3):
+                state, t, m = grpo_step(state, prompts, cwl, device)
+                print(f"[{name}] step {i}: " + ", ".join(f"{k} {v:.3f}s" for k, v in t.items()), flush=True)
+                if i:
+                    times.append(t)
+                    metrics.append(m)
+            res = summarize(cwl, times, metrics, n_params, ceilings, device)
+            out[name] = {k: res[k] for k in res if k in (
+                "step_seconds_median", "phase_seconds_median", "update_tflops", "update_pct_ceiling", "old_logprobs_pct_ceiling",
+                "ref_logprobs_pct_ceiling", "rollout_tokens_per_s", "logprob_gap_mean_abs", "clipfrac_step1", "responses_per_s")}
+            print(f"[{name}] " + json.dumps(out[name]), flush=True)
+        except Exception as exc:  # noqa: BLE001
+            out[name] = {"error": repr(exc)}
+            traceback.print_exc()
+        finally:
+            if mode == "eager":
+                for m in (state.actor, state.ref):
+                    if m is not None:
+                        compile_layers(m)
+    return state
+
+
 def print_table(res: dict, trl: dict | None) -> None:
     rows = [
         ("step time (median)", f"{res['step_seconds_median']:.3f} s"),
@@ -365,6 +445,10 @@ def print_table(res: dict, trl: dict | None) -> None:
         if trl.get("peak_memory_gb") is not None:
             rows.append(("TRL peak GPU memory", f"{trl['peak_memory_gb']:.1f} GB"))
         rows.append(("speed-up vs TRL (step time)", f"{trl['step_seconds_median'] / res['step_seconds_median']:.1f}x"))
+    for name, c in (res.get("configs") or {}).items():
+        if isinstance(c, dict) and "step_seconds_median" in c:
+            vs = f", {trl['step_seconds_median'] / c['step_seconds_median']:.1f}x TRL" if trl else ""
+            rows.append((f"[{name}] step", f"{c['step_seconds_median']:.3f} s{vs}"))
     width = max(len(r[0]) for r in rows)
     print("\n" + "-" * (width + 40))
     for k, v in rows:
@@ -382,10 +466,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--trl-steps", type=int, default=None)
     ap.add_argument("--variants", action="store_true", help="GPU: time engine and log-prob variants")
     ap.add_argument("--check", action="store_true", help="GPU: compare fast paths with plain ones first")
-    ap.add_argument("--compile-model", action="store_true",
-                    help="after the main steps, also time steps with the HF decoder layers torch.compile'd (training side)")
-    ap.add_argument("--compile-budget-s", type=float, default=330.0,
-                    help="skip --compile-model when the run has already taken longer than this")
+    ap.add_argument("--configs", action="store_true",
+                    help="after the main steps, also time step configurations side by side: no separate old-policy pass "
+                         "(old = the rollout's log-probs, the GRPO recipe's default), larger micro-batches, eager model")
+    ap.add_argument("--configs-budget-s", type=float, default=400.0,
+                    help="skip --configs when the run has already taken longer than this")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", default=None, help="also write the result JSON here")
     args = ap.parse_args(argv)
@@ -444,32 +529,11 @@ def main(argv=None) -> dict:
         res["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
     result.update(res)
 
-    if args.compile_model and time.perf_counter() - started > args.compile_budget_s:
-        result["compiled_model"] = {"skipped": f"run already at {time.perf_counter() - started:.0f}s"}
-    elif args.compile_model:
-        try:
-            from rlkit.parallel.fsdp import decoder_layers
-
-            t0 = time.perf_counter()
-            for layer in decoder_layers(model):
-                layer.compile(dynamic=True)
-            ctimes, cmetrics = [], []
-            for i in range(3):
-                state, t, m = grpo_step(state, prompts, wl, device)
-                print(f"compiled-model step {i}: " + ", ".join(f"{k} {v:.3f}s" for k, v in t.items()), flush=True)
-                if i:
-                    ctimes.append(t)
-                    cmetrics.append(m)
-            cres = summarize(wl, ctimes, cmetrics, n_params, ceilings, device)
-            cres["first_step_with_compile_s"] = time.perf_counter() - t0 - sum(t["step"] for t in ctimes)
-            result["compiled_model"] = {k: cres[k] for k in cres if k in (
-                "step_seconds_median", "phase_seconds_median", "update_tflops", "update_pct_ceiling", "old_logprobs_tflops",
-                "old_logprobs_pct_ceiling", "ref_logprobs_pct_ceiling", "first_step_with_compile_s", "logprob_gap_mean_abs")}
-            print("compiled model:", json.dumps(result["compiled_model"]), flush=True)
-        except Exception as exc:  # noqa: BLE001
-            result["compiled_model"] = {"error": repr(exc)}
-            traceback.print_exc()
-
+    if args.configs and time.perf_counter() - started > args.configs_budget_s:
+        result["configs"] = {"skipped": f"run already at {time.perf_counter() - started:.0f}s"}
+    elif args.configs:
+        result["configs"] = {}
+        state = time_configs(state, model, prompts, wl, device, n_params, ceilings, result["configs"])
     trl = None
     if args.compare == "trl":
         del state, model

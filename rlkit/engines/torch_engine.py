@@ -145,13 +145,54 @@ def _post_attention_tp(layer: dict, x: torch.Tensor, attn: torch.Tensor, shape: 
     return x + down
 
 
+def _layer_in(layer: dict, x: torch.Tensor, delta: torch.Tensor | None, cos, sin, shape: tuple, k_cache, v_cache, slot):
+    """Decode-step layer entry: ``x + delta`` (the previous layer's MLP output, deferred so the add
+    fuses with this RMSNorm) -> :func:`_pre_attention` -> write ``k, v`` into the caches at ``slot``.
+
+    Returns ``(x, q)``. Compiled, the cache writes fuse into the rotary kernel and land in the
+    cache buffers in place (inductor re-inplaces the ``index_copy_`` on the graph input)."""
+    if delta is not None:
+        x = x + delta
+    q, k, v = _pre_attention(layer, x, cos, sin, shape)
+    k_cache.index_copy_(2, slot, k)
+    v_cache.index_copy_(2, slot, v)
+    return x, q
+
+
+def _layer_out(layer: dict, x: torch.Tensor, attn: torch.Tensor, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_post_attention` without its last residual add: returns ``(x, mlp_out)``; the next
+    :func:`_layer_in` (or the final norm) adds them."""
+    from transformers.activations import ACT2FN
+
+    eps, activation = shape[3], shape[4]
+    x = x + _linear(attn, layer, "self_attn.o_proj")
+    h = _rms_norm(x, layer["post_attention_layernorm.weight"], eps)
+    if "mlp.gate_up_proj.weight" in layer:
+        gate, up = _linear(h, layer, "mlp.gate_up_proj").chunk(2, dim=-1)
+    else:
+        gate, up = _linear(h, layer, "mlp.gate_proj"), _linear(h, layer, "mlp.up_proj")
+    act = F.silu(gate) if activation == "silu" else ACT2FN[activation](gate)
+    return x, _linear(act * up, layer, "mlp.down_proj")
+
+
+def _final_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm(x + delta, weight, eps)
+
+
+#: decode steps through :func:`_layer_in` / :func:`_layer_out` (cache writes and residual adds
+#: inside the compiled kernels) rather than the two compiled halves of each layer plus separate
+#: cache copies; a module flag so benchmarks can time both
+FUSE_DECODE_EPILOGUES = True
+
 _COMPILED: tuple | None = None
 
 
 def _compiled_layer_pieces() -> tuple:
+    """``(pre, post, layer_in, layer_out, final_norm)`` compiled once per process (shapes static;
+    the weights are inputs, so one graph serves every layer of every engine of the same config)."""
     global _COMPILED
     if _COMPILED is None:
-        _COMPILED = (torch.compile(_pre_attention, dynamic=False), torch.compile(_post_attention, dynamic=False))
+        _COMPILED = tuple(torch.compile(fn, dynamic=False) for fn in (_pre_attention, _post_attention, _layer_in, _layer_out, _final_norm))
     return _COMPILED
 
 
@@ -658,9 +699,7 @@ class TorchEngine:
         b, kvh, d = state.tokens.shape[0], self.num_kv_heads, self.head_dim
         groups = self.num_heads // kvh
 
-        def attend(i, q, k, v):
-            state.k_cache[i].index_copy_(2, slot, k)
-            state.v_cache[i].index_copy_(2, slot, v)
+        def sdpa(i, q):
             # GQA without repeating the cache: the query heads of one kv head become its query rows
             out = F.scaled_dot_product_attention(
                 q.reshape(b, kvh, groups, d),
@@ -670,6 +709,22 @@ class TorchEngine:
                 scale=d**-0.5,
             )
             return out.reshape(b, 1, kvh * groups * d)
+
+        if plan.compiled and self._compiled is not None and FUSE_DECODE_EPILOGUES:
+            layer_in, layer_out, final_norm = self._compiled[2:]
+            x, delta = F.embedding(state.tokens[:, None], self.weights["model.embed_tokens.weight"]), None
+            for i, layer in enumerate(self.layers):
+                x, q = layer_in(layer, x, delta, cos, sin, self._shape, state.k_cache[i], state.v_cache[i], slot)
+                x, delta = layer_out(layer, x, sdpa(i, q), self._shape)
+            hidden = final_norm(x, delta, self.weights["model.norm.weight"], float(self.eps))
+            tokens, logprobs = self._sample_logits(hidden[:, -1], params, generator, plan)
+            self._record(state, tokens, logprobs, params)
+            return
+
+        def attend(i, q, k, v):
+            state.k_cache[i].index_copy_(2, slot, k)
+            state.v_cache[i].index_copy_(2, slot, v)
+            return sdpa(i, q)
 
         hidden = self._forward(state.tokens[:, None], cos, sin, attend, compiled=plan.compiled)
         tokens, logprobs = self._sample_logits(hidden[:, -1], params, generator, plan)
@@ -777,10 +832,14 @@ class TorchEngine:
     ) -> Generation:
         """Sample ``params.n`` responses per prompt (rows prompt-major). See :class:`Generation`."""
         start = time.perf_counter()
-        ids, prompt_mask = self._left_pad(prompt_ids, params.n)
-        no_padding = bool(prompt_mask.all())
-        ids, prompt_mask = ids.to(self.device), prompt_mask.to(self.device)
-        b, p = ids.shape
+        # the n samples of a prompt share its prefill: run it once per prompt, then copy the
+        # keys/values (and the last hidden state) to the prompt's n rows
+        ids, unique_mask = self._left_pad(prompt_ids, 1)
+        no_padding = bool(unique_mask.all())
+        ids, unique_mask = ids.to(self.device), unique_mask.to(self.device)
+        prompt_mask = unique_mask.repeat_interleave(params.n, dim=0)
+        b0, p = ids.shape
+        b = b0 * params.n
         steps = params.max_new_tokens
         if self._fused:
             self._refresh_fused()
@@ -803,24 +862,25 @@ class TorchEngine:
 
         # Prefill: causal attention among real prompt tokens; a pad query attends to itself only,
         # so no softmax row is empty (its output is never used).
-        positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+        positions = (unique_mask.long().cumsum(-1) - 1).clamp(min=0)
         groups = self.num_heads // self.num_kv_heads
         if no_padding:
             mask = None
         else:
             causal = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()
             eye = torch.eye(p, dtype=torch.bool, device=self.device)
-            mask = (causal & (prompt_mask[:, None, :] | eye))[:, None]  # (b 1 p p)
+            mask = (causal & (unique_mask[:, None, :] | eye))[:, None]  # (b0 1 p p)
 
         def attend(i, q, k, v):
-            state.k_cache[i][:, :, :p] = k
-            state.v_cache[i][:, :, :p] = v
+            state.k_cache[i][:, :, :p] = k.repeat_interleave(params.n, dim=0) if params.n > 1 else k
+            state.v_cache[i][:, :, :p] = v.repeat_interleave(params.n, dim=0) if params.n > 1 else v
             return F.scaled_dot_product_attention(
                 q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=mask, is_causal=mask is None, scale=self.head_dim**-0.5
-            ).transpose(1, 2).reshape(b, p, self.num_heads * self.head_dim)
+            ).transpose(1, 2).reshape(b0, p, self.num_heads * self.head_dim)
 
         hidden = self._forward(ids, state.cos[positions], state.sin[positions], attend)
-        tokens, logprobs = self._sample_logits(hidden[:, -1], params, generator, plan)
+        last = hidden[:, -1].repeat_interleave(params.n, dim=0) if params.n > 1 else hidden[:, -1]
+        tokens, logprobs = self._sample_logits(last, params, generator, plan)
         self._record(state, tokens, logprobs, params)
         prefill_seconds = time.perf_counter() - start
 
