@@ -33,6 +33,10 @@ Scenarios (each catches its own exceptions and records ``{"error": ...}``):
   same N (``lower(tp=1)``, rlkit's defaults: CUDA graphs, fused weights, compiled pieces on GPU)
   and vs a replicated eager engine (no graphs/fusion/compile: what the TP engine gives up).
 
+Training-side ``torch.compile`` (``rk.init(compile=...)``, rlkit's default "auto" compiles on
+CUDA) is off unless ``--compile auto``: its warm-up would dominate a short run. The engine keeps
+its own defaults (CUDA graphs and compiled pieces on GPU for the replicated engine).
+
 Rank 0 prints a table and one ``RESULT_JSON {...}`` line, and with ``--json`` writes the same
 object (rewritten after every scenario, so a later crash keeps the earlier figures).
 """
@@ -222,8 +226,13 @@ def _setup(args, device, *, ref: bool):
     from rlkit.state import init
 
     wl, model, tok, texts = build(args.preset, device)
-    state = init(model, adamw(lr=wl.lr), tokenizer=tok, ref="copy" if ref else None)
+    state = init(model, adamw(lr=wl.lr), tokenizer=tok, ref="copy" if ref else None, compile=_compile_mode(args))
     return wl, model, state, as_prompts(texts, tok)
+
+
+def _compile_mode(args) -> bool | str:
+    """``rk.init(compile=...)``: the training-side decoder blocks (rlkit's default "auto" compiles on CUDA)."""
+    return {"auto": "auto", "on": True, "off": False}[args.compile]
 
 
 # --------------------------------------------------------------------------- scenarios
@@ -270,7 +279,7 @@ def scenario_split(args, device) -> dict:
     from rlkit.optim import adamw
     from rlkit.state import init
 
-    state = init(model, adamw(lr=wl.lr), tokenizer=state.tokenizer)  # the same weights, no reference
+    state = init(model, adamw(lr=wl.lr), tokenizer=state.tokenizer, compile=_compile_mode(args))  # no reference
     state = plan.shard(state)
     state, times, metrics = _run_steps(plan, state, prompts, device, args.steps, args.warmup)
     me = _rank()
@@ -390,7 +399,7 @@ def scenario_tp(args, device) -> dict:
     from rlkit.optim import adamw
     from rlkit.state import init
 
-    state = init(twin, adamw(lr=wl.lr), tokenizer=tok)
+    state = init(twin, adamw(lr=wl.lr), tokenizer=tok, compile=_compile_mode(args))
     del twin
     plan = Pipeline(step, reward).lower()
     state = plan.shard(state)
@@ -435,7 +444,7 @@ def _fmt_s(x) -> str:
 def print_table(result: dict) -> None:
     rows: list[tuple[str, str]] = [
         ("world size / device", f"{result['world_size']} x {result.get('gpu', 'cpu')} ({result['backend']})"),
-        ("preset", f"{result['preset']} ({result['rows']} responses/step)"),
+        ("preset", f"{result['preset']} ({result['rows']} responses/step, training compile {result['train_compile']})"),
     ]
     for name in SCENARIOS:
         r = result.get(name)
@@ -556,6 +565,7 @@ def run(args) -> dict:
         "rows": wl.rows,
         "steps": args.steps,
         "warmup": args.warmup,
+        "train_compile": args.compile,
     }
     try:
         import transformers
@@ -595,6 +605,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel degree of the tp scenario")
     ap.add_argument("--json", default=None, help="rank 0 writes the result object here")
+    ap.add_argument("--compile", default="off", choices=("off", "auto", "on"),
+                    help="rk.init(compile=...) for the training-side decoder blocks; off by default here to keep the "
+                         "run short (rlkit's own default is auto: compiled on CUDA)")
     ap.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
     ap.add_argument("--compare", nargs=2, metavar=("ONE", "MANY"), help="print the speed-up of two result files")

@@ -1,0 +1,97 @@
+"""Smoke test of benchmarks/multi_gpu.py on the CPU preset: 2 processes (gloo) under torchrun, and 1.
+
+No timing assertions; the figures that have an exact expected value are checked against it
+(weight-sync bytes = the model's bytes, greedy TP tokens = one device's, the --compare ratios).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "multi_gpu.py")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import multi_gpu  # noqa: E402
+from _workload import PRESETS  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+
+def _torchrun(nproc: int, out_json, *extra: str) -> tuple[dict, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), SCRIPT,
+           "--preset", "cpu", "--steps", "1", "--warmup", "1", "--json", str(out_json), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out_json) as f:
+        return json.load(f), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return _torchrun(2, tmp_path_factory.mktemp("mg") / "two.json", "--scenario", "all")
+
+
+def test_two_processes_every_scenario(two):
+    result, stdout = two
+    wl = PRESETS["cpu"]
+    assert result["world_size"] == 2 and result["backend"] == "gloo"
+    for name in ("colocated", "split", "tp"):
+        assert "error" not in result[name] and "skipped" not in result[name], (name, result[name])
+    # the printed RESULT_JSON line is the object written to --json
+    line = [ln for ln in stdout.splitlines() if ln.startswith("RESULT_JSON ")]
+    assert len(line) == 1 and json.loads(line[0][len("RESULT_JSON "):]).keys() == result.keys()
+
+    col = result["colocated"]
+    assert col["rows"] == wl.rows == 64
+    assert wl.rows <= col["tokens_generated"] <= wl.rows * wl.max_new_tokens
+    assert col["responses_per_s"] == pytest.approx(wl.rows / col["step_seconds_median"])
+    assert set(col["phase_seconds_median"]) >= {"rollout", "update"}
+    # FSDP(2) -> replicated after the warm-up update: every rank receives the whole float32 model
+    assert col["sync_bytes_median"] == 4 * col["params"]
+
+    split = result["split"]
+    assert split["beta"] == 0.0 and "NotImplementedError" in split["kl_reference_under_split"]
+    assert "ranks [0]" in split["layout"] and "ranks [1]" in split["layout"]
+    # the rollout rank (1) received the full model from the actor rank (0) once per timed step
+    assert split["sync_bytes_per_step_median"] == 4 * col["params"] > 0
+    assert split["sync_bytes_sent_last_step"] == split["sync_bytes_per_step_median"]
+
+    tp = result["tp"]
+    greedy = tp["greedy_vs_single_device"]
+    assert tp["token_agreement"] == 1.0 and greedy["rows_identical_frac"] == 1.0
+    assert greedy["first_divergence_min"] is None
+    assert wl.n_prompts <= greedy["tokens_compared"] <= wl.n_prompts * wl.max_new_tokens
+    assert tp["reshard_bytes_total"] > 0
+    for key in ("tp_sampling", "replicated_sampling", "replicated_eager_sampling"):
+        assert tp[key]["tokens_per_s"] > 0 and tp[key]["tokens"] >= wl.rows
+
+
+def test_one_process_and_compare(two, tmp_path):
+    one, _ = _torchrun(1, tmp_path / "one.json", "--scenario", "all")
+    assert one["world_size"] == 1 and "error" not in one["colocated"]
+    assert "skipped" in one["split"] and "skipped" in one["tp"]
+    out = multi_gpu.compare(str(tmp_path / "one.json"), _write(tmp_path / "two.json", two[0]))
+    speedup = one["colocated"]["step_seconds_median"] / two[0]["colocated"]["step_seconds_median"]
+    assert out["speedup"] == pytest.approx(speedup) and out["efficiency"] == pytest.approx(speedup / 2)
+
+
+def test_compare_hand_worked(tmp_path):
+    base = {"preset": "cpu", "colocated": {"rows": 64, "tokens_generated": 640.0, "step_seconds_median": 3.0,
+                                           "responses_per_s": 64 / 3.0, "generated_tokens_per_s": 640 / 3.0,
+                                           "phase_seconds_median": {"rollout": 1.0, "update": 2.0}}}
+    one = {**base, "world_size": 1}
+    four = {**base, "world_size": 4, "colocated": {**base["colocated"], "step_seconds_median": 1.0,
+                                                   "responses_per_s": 64.0, "generated_tokens_per_s": 640.0,
+                                                   "phase_seconds_median": {"rollout": 0.5, "update": 0.5}}}
+    out = multi_gpu.compare(_write(tmp_path / "1.json", one), _write(tmp_path / "4.json", four))
+    assert out == {"speedup": 3.0, "efficiency": 0.75, "world_sizes": [1, 4]}
+
+
+def _write(path, obj) -> str:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+    return str(path)
