@@ -221,13 +221,19 @@ def _throughput(wl, times: list[float], metrics: list[dict]) -> dict:
 
 
 def _setup(args, device, *, ref: bool):
+    """``(workload, model, state, prompts)``: a fresh random model (same seed on every rank) and its state."""
     from rlkit.data import as_prompts
+
+    wl, model, tok, texts = build(args.preset, device)
+    return wl, model, _init(args, model, tok, ref=ref), as_prompts(texts, tok)
+
+
+def _init(args, model, tok, *, ref: bool = False):
     from rlkit.optim import adamw
     from rlkit.state import init
 
-    wl, model, tok, texts = build(args.preset, device)
-    state = init(model, adamw(lr=wl.lr), tokenizer=tok, ref="copy" if ref else None, compile=_compile_mode(args))
-    return wl, model, state, as_prompts(texts, tok)
+    wl = PRESETS[args.preset]
+    return init(model, adamw(lr=wl.lr), tokenizer=tok, ref="copy" if ref else None, compile=_compile_mode(args))
 
 
 def _compile_mode(args) -> bool | str:
@@ -276,13 +282,9 @@ def scenario_split(args, device) -> dict:
         ref_note = "a KL reference lowered without error"
     except NotImplementedError as exc:
         ref_note = f"NotImplementedError: {exc}"
-    from rlkit.optim import adamw
-    from rlkit.state import init
-
-    state = init(model, adamw(lr=wl.lr), tokenizer=state.tokenizer, compile=_compile_mode(args))  # no reference
+    state = _init(args, model, state.tokenizer)  # the same weights, no reference
     state = plan.shard(state)
     state, times, metrics = _run_steps(plan, state, prompts, device, args.steps, args.warmup)
-    me = _rank()
     mine = {
         "role": "actor" if placement.here("actor") else "rollout",
         "sync_bytes_received": [m.get("sync/bytes", 0.0) for m in metrics],
@@ -312,7 +314,7 @@ def scenario_split(args, device) -> dict:
     # rank 0 (an actor rank) receives no weights: its own sync/* would read 0
     out.pop("sync_bytes_median", None)
     out.pop("sync_seconds_median", None)
-    del state, plan, model, me
+    del state, plan, model
     return out
 
 
@@ -357,7 +359,7 @@ def _timed_rollouts(state, prompts, wl, device, steps: int, warmup: int, **kw) -
 
 
 def scenario_tp(args, device) -> dict:
-    from rlkit.engines import SamplingParams, TorchEngine
+    from rlkit.engines import TorchEngine
     from rlkit.parallel import gather_weights, tensor_parallel
     from rlkit.pipeline import Pipeline
     from rlkit.transforms.rollout import rollout
@@ -365,13 +367,16 @@ def scenario_tp(args, device) -> dict:
     n, k = _world_size(), args.tp
     if k < 2 or n < k or n % k:
         return {"skipped": f"tp={k} needs a world size that is a multiple of it (>= {k}), got {n}"}
-    wl, model, state, prompts = _setup(args, device, ref=False)
-    config, tok = model.config, state.tokenizer
+    from rlkit.data import as_prompts
+
+    wl, model, tok, texts = build(args.preset, device)
+    prompts, config = as_prompts(texts, tok), model.config
     # the same seed builds the same weights on every rank: keep a full copy for the references,
-    # and a twin model for the replicated plan (cheaper than building the random model again)
+    # and a twin model for the replicated plan (cheaper than building the random model again);
+    # both before init, which may compile the blocks in place
     full = {name: p.detach().clone() for name, p in model.named_parameters()}
     twin = copy.deepcopy(model)
-    eos = tok.eos_token_id
+    state = _init(args, model, tok)
     greedy = dict(n=1, max_new_tokens=wl.max_new_tokens, temperature=0.0, ignore_stop=wl.ignore_eos)
     step = grpo_step_fn(wl, device, beta=0.0, old_logprobs_here=True, train_ranks=n)  # never stepped here
     out: dict = {"layout": f"FSDP({n}) -> TP({k}) x DP({n // k}) generation", "tp": k}
@@ -396,10 +401,7 @@ def scenario_tp(args, device) -> dict:
     _free(device)
 
     # the plain replicated engine at the same N (rlkit's defaults), on a fresh copy of the model
-    from rlkit.optim import adamw
-    from rlkit.state import init
-
-    state = init(twin, adamw(lr=wl.lr), tokenizer=tok, compile=_compile_mode(args))
+    state = _init(args, twin, tok)
     del twin
     plan = Pipeline(step, reward).lower()
     state = plan.shard(state)
@@ -412,23 +414,33 @@ def scenario_tp(args, device) -> dict:
     del state, plan, eager
     _free(device)
 
-    if _rank() == 0:
-        # single-device reference on rank 0: the full weights, one engine, every prompt
-        ref = TorchEngine(config, full, pad_token_id=tok.pad_token_id, cuda_graphs=False, fuse=False, compile_decode=False)
-        params = SamplingParams(stop_token_ids=(eos,) if eos is not None else (), **greedy)
-        gen = ref.generate(prompts.ids, params)
-        out["greedy_vs_single_device"] = _compare_tokens(gen.response_ids, gen.response_mask,
-                                                         tp_greedy["response_ids"], tp_greedy["response_mask"])
-        out["replicated_greedy_vs_single_device"] = _compare_tokens(gen.response_ids, gen.response_mask,
-                                                                    rep_greedy["response_ids"], rep_greedy["response_mask"])
-        out["token_agreement"] = out["greedy_vs_single_device"]["token_agreement"]
-        out["tp_vs_replicated_speedup"] = out["tp_sampling"]["tokens_per_s"] / out["replicated_sampling"]["tokens_per_s"]
-        out["tp_vs_replicated_eager_speedup"] = (out["tp_sampling"]["tokens_per_s"]
-                                                 / out["replicated_eager_sampling"]["tokens_per_s"])
-        del ref
+    try:
+        if _rank() == 0:
+            _tp_reference(out, config, full, tok, prompts, greedy, tp_greedy, rep_greedy)
+    except Exception as exc:  # noqa: BLE001 - rank 0 alone: record it and still meet the other ranks below
+        out["error"] = f"rank 0 reference: {type(exc).__name__}: {exc}"
+        out["traceback"] = traceback.format_exc()
     _barrier(device)
     del full
     return out
+
+
+def _tp_reference(out, config, full, tok, prompts, greedy, tp_greedy, rep_greedy) -> None:
+    """Rank 0: greedy tokens of one engine on the full weights vs the TP and replicated rollouts."""
+    from rlkit.engines import SamplingParams, TorchEngine
+
+    eos = tok.eos_token_id
+    ref = TorchEngine(config, full, pad_token_id=tok.pad_token_id, cuda_graphs=False, fuse=False, compile_decode=False)
+    params = SamplingParams(stop_token_ids=(eos,) if eos is not None else (), **greedy)
+    gen = ref.generate(prompts.ids, params)
+    out["greedy_vs_single_device"] = _compare_tokens(gen.response_ids, gen.response_mask,
+                                                     tp_greedy["response_ids"], tp_greedy["response_mask"])
+    out["replicated_greedy_vs_single_device"] = _compare_tokens(gen.response_ids, gen.response_mask,
+                                                                rep_greedy["response_ids"], rep_greedy["response_mask"])
+    out["token_agreement"] = out["greedy_vs_single_device"]["token_agreement"]
+    out["tp_vs_replicated_speedup"] = out["tp_sampling"]["tokens_per_s"] / out["replicated_sampling"]["tokens_per_s"]
+    out["tp_vs_replicated_eager_speedup"] = (out["tp_sampling"]["tokens_per_s"]
+                                             / out["replicated_eager_sampling"]["tokens_per_s"])
 
 
 RUNNERS = {"colocated": scenario_colocated, "split": scenario_split, "tp": scenario_tp}
