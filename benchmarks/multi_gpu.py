@@ -43,6 +43,7 @@ object (rewritten after every scenario, so a later crash keeps the earlier figur
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import gc
@@ -106,23 +107,17 @@ class Clock:
     def __init__(self, device: torch.device):
         self.device, self.times = device, {}
 
+    @contextlib.contextmanager
     def __call__(self, name: str):
-        clock = self
-
-        class _Phase:
-            def __enter__(self):
-                _sync(clock.device)
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                _sync(clock.device)
-                clock.times[name] = clock.times.get(name, 0.0) + time.perf_counter() - self.t0
-
-        return _Phase()
+        _sync(self.device)
+        t0 = time.perf_counter()
+        yield
+        _sync(self.device)
+        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
 
 def _median_dict(dicts: list[dict]) -> dict:
-    keys = sorted({k for d in dicts for k in d})
+    keys = list(dict.fromkeys(k for d in dicts for k in d))  # phase order, not alphabetical
     return {k: statistics.median(d[k] for d in dicts if k in d) for k in keys}
 
 
