@@ -223,9 +223,10 @@ def run_variants(model, state, prompts, wl, device, n_params) -> dict:
     ids = prompts.ids
     configs = [
         # (name, engine kwargs, samples per prompt, te.FUSE_DECODE_EPILOGUES)
-        ("graphs + fused weights + Triton sampler, not compiled", dict(compile_decode=False), wl.n, True),
-        ("+ compiled layer halves, separate cache copies", {}, wl.n, False),
-        ("+ compiled layer entry/exit, in-graph cache writes (default)", {}, wl.n, True),
+        ("graphs + fused weights + Triton sampler, SDPA, not compiled", dict(compile_decode=False, decode_attention="sdpa"), wl.n, True),
+        ("+ compiled layer halves, separate cache copies", dict(decode_attention="sdpa"), wl.n, False),
+        ("+ compiled layer entry/exit, in-graph cache writes", dict(decode_attention="sdpa"), wl.n, True),
+        ("+ Triton decode attention (default)", {}, wl.n, True),
         ("default, batch 512", {}, 2 * wl.n, True),
     ]
     for name, kw, n, fuse_epilogues in configs:
@@ -294,13 +295,14 @@ def run_variants(model, state, prompts, wl, device, n_params) -> dict:
     return res
 
 
-def profile_decode(model, ids, wl, tokens: int = 40) -> dict:
+def profile_decode(model, ids, wl, tokens: int | None = None) -> dict:
     """Kernel time of the default engine's decode steps (CUDA graphs replayed), by kernel name:
     where a decode step's time goes. Prints the top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     from rlkit.engines import SamplingParams, TorchEngine
 
+    tokens = tokens or wl.max_new_tokens
     eng = TorchEngine.from_model(model)
     params = SamplingParams(n=wl.n, max_new_tokens=tokens, temperature=1.0, ignore_stop=True)
     for _ in range(2):

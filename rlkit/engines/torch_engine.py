@@ -188,11 +188,13 @@ _COMPILED: tuple | None = None
 
 
 def _compiled_layer_pieces() -> tuple:
-    """``(pre, post, layer_in, layer_out, final_norm)`` compiled once per process (shapes static;
-    the weights are inputs, so one graph serves every layer of every engine of the same config)."""
+    """``(pre, post, layer_in, layer_out, final_norm)`` compiled once per process. The weights are
+    inputs, so one graph serves every layer of every engine of the same config; shapes start
+    static and the first new shape (another batch size or cache length) recompiles them as
+    dynamic, so a process never runs into dynamo's recompile limit and silently goes eager."""
     global _COMPILED
     if _COMPILED is None:
-        _COMPILED = tuple(torch.compile(fn, dynamic=False) for fn in (_pre_attention, _post_attention, _layer_in, _layer_out, _final_norm))
+        _COMPILED = tuple(torch.compile(fn, dynamic=None) for fn in (_pre_attention, _post_attention, _layer_in, _layer_out, _final_norm))
     return _COMPILED
 
 
@@ -202,8 +204,8 @@ def _compiled_layer_pieces() -> tuple:
 _KERNELS: dict[str, Any] | None = None
 
 
-def _sampling_kernels() -> dict[str, Any] | None:
-    """``{"partial", "combine"}`` Triton kernels, or None when Triton is not importable."""
+def _triton_kernels() -> dict[str, Any] | None:
+    """The Triton kernels (sampler partial/combine, decode attention), or None when Triton is not importable."""
     global _KERNELS, triton, tl
     if _KERNELS is not None:
         return _KERNELS or None
@@ -218,47 +220,66 @@ def _sampling_kernels() -> dict[str, Any] | None:
     def partial_kernel(
         logits_ptr, row_stride, vocab, split_size, seed_ptr, step_ptr, n_rows, inv_temp,
         out_m, out_s, out_score, out_idx, out_z, n_splits,
-        GREEDY: tl.constexpr, BLOCK: tl.constexpr,
+        GREEDY: tl.constexpr, QUARTER: tl.constexpr,
     ):
-        # program (row, split): log-sum-exp and Gumbel-max argmax over vocab[start:end] of one row
+        # program (row, split): log-sum-exp and Gumbel-max argmax over vocab[start:start + split_size]
+        # of one row. Each iteration reads 4 x QUARTER columns; the state is kept per lane (one
+        # block-wide max per iteration, no other reduction until the end) and one Philox call
+        # gives the noise of 4 columns (tl.rand4x), the two costs that bounded the simple version.
         row = tl.program_id(0)
         split = tl.program_id(1)
-        start = split * split_size
+        start = split * split_size  # a multiple of 4 * QUARTER
         base = logits_ptr + row.to(tl.int64) * row_stride
         seed = tl.load(seed_ptr) + tl.load(step_ptr) * n_rows + row
-        lanes = tl.arange(0, BLOCK)
+        lanes = tl.arange(0, QUARTER)
         run_max = tl.full([], float("-inf"), tl.float32)
-        run_sum = tl.full([], 0.0, tl.float32)
-        best = tl.full([], float("-inf"), tl.float32)
-        best_idx = start
-        best_z = tl.full([], 0.0, tl.float32)
-        for off in range(0, split_size, BLOCK):  # split_size is a multiple of BLOCK
-            cols = start + off + lanes
-            valid = cols < vocab
-            z = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
-            new_max = tl.maximum(run_max, tl.max(z, 0))
-            run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(z - new_max), 0)
+        sums = tl.zeros([QUARTER], tl.float32)
+        best = tl.full([QUARTER], float("-inf"), tl.float32)
+        best_idx = tl.full([QUARTER], -1, tl.int32)
+        best_z = tl.zeros([QUARTER], tl.float32)
+        for off in range(0, split_size, 4 * QUARTER):
+            c0 = start + off + lanes
+            c1 = c0 + QUARTER
+            c2 = c1 + QUARTER
+            c3 = c2 + QUARTER
+            z0 = tl.load(base + c0, mask=c0 < vocab, other=float("-inf")).to(tl.float32) * inv_temp
+            z1 = tl.load(base + c1, mask=c1 < vocab, other=float("-inf")).to(tl.float32) * inv_temp
+            z2 = tl.load(base + c2, mask=c2 < vocab, other=float("-inf")).to(tl.float32) * inv_temp
+            z3 = tl.load(base + c3, mask=c3 < vocab, other=float("-inf")).to(tl.float32) * inv_temp
+            # the first iteration of every program has a valid column, so run_max is finite after it
+            new_max = tl.maximum(run_max, tl.max(tl.maximum(tl.maximum(z0, z1), tl.maximum(z2, z3)), 0))
+            sums = sums * tl.exp(run_max - new_max) + (
+                tl.exp(z0 - new_max) + tl.exp(z1 - new_max) + tl.exp(z2 - new_max) + tl.exp(z3 - new_max)
+            )
             run_max = new_max
             if GREEDY:
-                score = z
+                s0, s1, s2, s3 = z0, z1, z2, z3
             else:
-                # exponential race: argmax(z - log E), E = -log U ~ Exp(1)
-                u = tl.rand(seed, cols)
-                score = z - tl.log(-tl.log(u))
-            score = tl.where(valid, score, float("-inf"))
-            block_best = tl.max(score, 0)
-            block_arg = tl.argmax(score, 0)
-            block_z = tl.sum(tl.where(lanes == block_arg, z, 0.0), 0)
-            take = block_best > best
-            best = tl.where(take, block_best, best)
-            best_idx = tl.where(take, start + off + block_arg, best_idx)
-            best_z = tl.where(take, block_z, best_z)
+                # exponential race: argmax(z - log E), E = -log U ~ Exp(1); column c = start + off
+                # + j * QUARTER + lane takes output j of Philox counter (start + off) / 4 + lane
+                u0, u1, u2, u3 = tl.rand4x(seed, (start + off) // 4 + lanes)
+                s0 = z0 - tl.log(-tl.log(u0))
+                s1 = z1 - tl.log(-tl.log(u1))
+                s2 = z2 - tl.log(-tl.log(u2))
+                s3 = z3 - tl.log(-tl.log(u3))
+            # columns in increasing order, strict '>': each lane keeps its lowest index among ties
+            take = s0 > best
+            best, best_idx, best_z = tl.where(take, s0, best), tl.where(take, c0, best_idx), tl.where(take, z0, best_z)
+            take = s1 > best
+            best, best_idx, best_z = tl.where(take, s1, best), tl.where(take, c1, best_idx), tl.where(take, z1, best_z)
+            take = s2 > best
+            best, best_idx, best_z = tl.where(take, s2, best), tl.where(take, c2, best_idx), tl.where(take, z2, best_z)
+            take = s3 > best
+            best, best_idx, best_z = tl.where(take, s3, best), tl.where(take, c3, best_idx), tl.where(take, z3, best_z)
+        top = tl.max(best, 0)
+        idx = tl.min(tl.where(best == top, best_idx, 2147483647), 0)  # ties: the lowest column
+        z = tl.sum(tl.where(best_idx == idx, best_z, 0.0), 0)
         o = row * n_splits + split
         tl.store(out_m + o, run_max)
-        tl.store(out_s + o, run_sum)
-        tl.store(out_score + o, best)
-        tl.store(out_idx + o, best_idx)
-        tl.store(out_z + o, best_z)
+        tl.store(out_s + o, tl.sum(sums, 0))
+        tl.store(out_score + o, top)
+        tl.store(out_idx + o, idx)
+        tl.store(out_z + o, z)
 
     @triton.jit
     def combine_kernel(out_m, out_s, out_score, out_idx, out_z, n_splits, tokens_ptr, logprobs_ptr, SPLITS: tl.constexpr):
@@ -277,8 +298,67 @@ def _sampling_kernels() -> dict[str, Any] | None:
         tl.store(tokens_ptr + row, idx.to(tl.int64))
         tl.store(logprobs_ptr + row, z - top - tl.log(total))
 
-    _KERNELS = {"partial": partial_kernel, "combine": combine_kernel}
+    @triton.jit
+    def decode_attention_kernel(
+        q_ptr, k_ptr, v_ptr, valid_ptr, out_ptr, length, scale,
+        q_sb, q_sh, q_sg, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, valid_sb, o_sb, o_sh, o_sg,
+        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        # program (row, kv head): the G query heads of this kv head against cache slots [0, length)
+        # where valid; online softmax over BLOCK_N slots at a time (flash attention, one query token)
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + b * q_sb + h * q_sh + g[:, None] * q_sg + d[None, :], mask=g[:, None] < G, other=0.0)
+        m = tl.full([GP], float("-inf"), tl.float32)
+        den = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        k_base = k_ptr + b.to(tl.int64) * k_sb + h * k_sh
+        v_base = v_ptr + b.to(tl.int64) * v_sb + h * v_sh
+        for start in range(0, length, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            inside = n < length
+            valid = tl.load(valid_ptr + b * valid_sb + n, mask=inside, other=0) != 0
+            k = tl.load(k_base + n[:, None] * k_ss + d[None, :], mask=inside[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * scale  # (GP BLOCK_N) float32
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no valid slot yet
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            den = den * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + n[:, None] * v_ss + d[None, :], mask=inside[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = acc / den[:, None]  # every row holds at least its own token: den > 0
+        tl.store(out_ptr + b * o_sb + h * o_sh + g[:, None] * o_sg + d[None, :], out.to(out_ptr.dtype.element_ty), mask=g[:, None] < G)
+
+    _KERNELS = {"partial": partial_kernel, "combine": combine_kernel, "decode_attention": decode_attention_kernel}
     return _KERNELS
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_valid: torch.Tensor, length: int, scale: float) -> torch.Tensor:
+    """One-token GQA attention over a KV cache, as a Triton kernel: ``q (b kvh g d)`` (the ``g``
+    query heads of each kv head), caches ``(b kvh S d)``, ``key_valid (b S)`` bool; attends over
+    slots ``[0, length)`` where valid. Returns ``(b kvh g d)``.
+
+    Equals ``F.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length], attn_mask)``
+    (float32 softmax, probabilities rounded to the cache dtype for the value product, as flash
+    attention does) in one kernel per layer: at decode sizes SDPA's kernels are latency-bound
+    (tiles sized for long queries), this one reads each row's cache once with ``g`` rows of work."""
+    kernels = _triton_kernels()
+    b, kvh, g, d = q.shape
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("decode_attention needs the head dimension contiguous")
+    out = torch.empty((b, kvh, g, d), dtype=q.dtype, device=q.device)
+    kernels["decode_attention"][(b, kvh)](
+        q, k_cache, v_cache, key_valid, out, length, scale,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=64, num_warps=4,
+    )
+    return out
 
 
 @dataclass
@@ -297,17 +377,18 @@ def fused_sample(logits: torch.Tensor, sampler: _Sampler, step: torch.Tensor, te
     """Tokens ``(b)`` and their log-probs under ``softmax(logits / T)`` (greedy when ``T == 0``).
 
     ``logits (b v)`` in any float dtype, read once. The noise of row ``r`` at decode step ``s``
-    is Philox keyed by ``seed + s * b + r`` at offset = vocabulary index, so the draw does not
-    depend on how the vocabulary is split across programs.
+    is Philox keyed by ``seed + s * b + r``; vocabulary column ``c`` takes output ``(c // Q) % 4``
+    of counter ``(c // 4Q) * Q + c % Q`` (``Q = _SAMPLER_BLOCK / 4``), so the draw does not depend
+    on how the vocabulary is split across programs.
     """
-    kernels = _sampling_kernels()
+    kernels = _triton_kernels()
     b, vocab = logits.shape
     greedy = temperature == 0
     m, s, score, idx, z = sampler.partial
     kernels["partial"][(b, sampler.n_splits)](
         logits, logits.stride(0), vocab, sampler.split_size, sampler.seed, step, b,
         1.0 if greedy else 1.0 / temperature, m, s, score, idx, z, sampler.n_splits,
-        GREEDY=greedy, BLOCK=2048, num_warps=8,
+        GREEDY=greedy, QUARTER=_SAMPLER_BLOCK // 4, num_warps=8,
     )
     kernels["combine"][(b,)](
         m, s, score, idx, z, sampler.n_splits, sampler.tokens, sampler.logprobs,
@@ -316,10 +397,14 @@ def fused_sample(logits: torch.Tensor, sampler: _Sampler, step: torch.Tensor, te
     return sampler.tokens, sampler.logprobs
 
 
+#: vocabulary columns one sampler program reads per iteration (4 quarters)
+_SAMPLER_BLOCK = 2048
+
+
 def _make_sampler(b: int, vocab: int, device: torch.device) -> _Sampler:
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    block = 2048
-    wanted = max(1, min(64, math.ceil(4 * sms / b)))  # enough programs to fill the chip
+    block = _SAMPLER_BLOCK
+    wanted = max(1, min(64, math.ceil(8 * sms / b)))  # several programs per SM: latency hiding
     split_size = math.ceil(math.ceil(vocab / wanted) / block) * block
     n_splits = math.ceil(vocab / split_size)
     f32 = dict(dtype=torch.float32, device=device)
@@ -393,6 +478,7 @@ class TorchEngine:
         fused_sampling: bool | None = None,
         cache_bucket: int = 64,
         compile_decode: bool | None = None,
+        decode_attention: str | None = None,
         tp_group=None,
     ):
         model_type = getattr(config, "model_type", None)
@@ -473,9 +559,16 @@ class TorchEngine:
         on_cuda = self.device.type == "cuda"
         self.cuda_graphs = on_cuda if cuda_graphs is None else bool(cuda_graphs) and on_cuda
         self.fused_sampling = (on_cuda if fused_sampling is None else bool(fused_sampling)) and on_cuda
-        if self.fused_sampling and _sampling_kernels() is None:
+        if self.fused_sampling and _triton_kernels() is None:
             self.fused_sampling = False
         self.cache_bucket = cache_bucket
+        if decode_attention not in (None, "sdpa", "triton"):
+            raise ValueError(f"decode_attention must be None, 'sdpa' or 'triton', got {decode_attention!r}")
+        if decode_attention is None:
+            decode_attention = "triton" if on_cuda and self.head_dim in (16, 32, 64, 128, 256) and _triton_kernels() is not None else "sdpa"
+        elif decode_attention == "triton" and _triton_kernels() is None:
+            raise ValueError("decode_attention='triton' needs Triton (pip install triton); use 'sdpa'")
+        self.decode_attention = decode_attention
         self._compiled = None
         self.compile_error: str | None = None
         if on_cuda if compile_decode is None else compile_decode:
@@ -700,6 +793,9 @@ class TorchEngine:
         groups = self.num_heads // kvh
 
         def sdpa(i, q):
+            if self.decode_attention == "triton":
+                out = decode_attention(q.reshape(b, kvh, groups, d), state.k_cache[i], state.v_cache[i], state.key_valid, length, d**-0.5)
+                return out.reshape(b, 1, kvh * groups * d)
             # GQA without repeating the cache: the query heads of one kv head become its query rows
             out = F.scaled_dot_product_attention(
                 q.reshape(b, kvh, groups, d),
