@@ -42,7 +42,7 @@ class Workload:
 PRESETS = {
     "qwen2.5-0.5b": Workload(
         "qwen2.5-0.5b", n_prompts=32, n=8, prompt_tokens=64, max_new_tokens=256, ignore_eos=True, beta=0.04,
-        old_logprobs=True, micro_batch=64, logprob_micro_batch=128, dtype=torch.bfloat16,
+        old_logprobs=True, micro_batch=128, logprob_micro_batch=256, dtype=torch.bfloat16,
     ),
     "cpu": Workload(
         "cpu", n_prompts=8, n=8, prompt_tokens=8, max_new_tokens=16, ignore_eos=False, beta=0.0,

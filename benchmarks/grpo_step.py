@@ -384,7 +384,7 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
 
     configs = [("old = rollout log-probs (no separate old pass)", dict(old_logprobs=False), None)]
     if device.type == "cuda":
-        configs.append(("update micro-batch 128, log-prob passes 256 rows", dict(micro_batch=128, logprob_micro_batch=256), None))
+        configs.append(("update micro-batch 64, log-prob passes 128 rows", dict(micro_batch=64, logprob_micro_batch=128), None))
         if is_compiled(model):
             configs.append(("eager model (compile=False)", {}, "eager"))
     for name, changes, mode in configs:
