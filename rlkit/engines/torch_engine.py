@@ -302,7 +302,7 @@ def _triton_kernels() -> dict[str, Any] | None:
     def decode_attention_kernel(
         q_ptr, k_ptr, v_ptr, valid_ptr, out_ptr, length, scale,
         q_sb, q_sh, q_sg, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, valid_sb, o_sb, o_sh, o_sg,
-        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     ):
         # program (row, kv head): the G query heads of this kv head against cache slots [0, length)
         # where valid; online softmax over BLOCK_N slots at a time (flash attention, one query token)
@@ -321,7 +321,10 @@ def _triton_kernels() -> dict[str, Any] | None:
             inside = n < length
             valid = tl.load(valid_ptr + b * valid_sb + n, mask=inside, other=0) != 0
             k = tl.load(k_base + n[:, None] * k_ss + d[None, :], mask=inside[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * scale  # (GP BLOCK_N) float32
+            if IEEE:  # float32 caches: full-precision products (tl.dot would round to TF32)
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                scores = tl.dot(q, tl.trans(k)) * scale  # (GP BLOCK_N) float32 accumulation
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no valid slot yet
@@ -329,7 +332,10 @@ def _triton_kernels() -> dict[str, Any] | None:
             alpha = tl.exp(m - m_safe)
             den = den * alpha + tl.sum(p, 1)
             v = tl.load(v_base + n[:, None] * v_ss + d[None, :], mask=inside[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         out = acc / den[:, None]  # every row holds at least its own token: den > 0
         tl.store(out_ptr + b * o_sb + h * o_sh + g[:, None] * o_sg + d[None, :], out.to(out_ptr.dtype.element_ty), mask=g[:, None] < G)
@@ -356,7 +362,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, key_valid, out, length, scale,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=64, num_warps=4,
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=64, IEEE=q.dtype == torch.float32, num_warps=4,
     )
     return out
 
