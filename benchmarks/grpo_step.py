@@ -395,7 +395,7 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
                     if m is not None:
                         uncompile_layers(m)
             times, metrics = [], []
-            for i in range(3):
+            for i in range(4):  # one warm-up step, three timed
                 state, t, m = grpo_step(state, prompts, cwl, device)
                 print(f"[{name}] step {i}: " + ", ".join(f"{k} {v:.3f}s" for k, v in t.items()), flush=True)
                 if i:

@@ -417,7 +417,48 @@ def scenario_tp(args, device) -> dict:
         out["traceback"] = traceback.format_exc()
     _barrier(device)
     del full
+    _free(device)
+    out["float32_check"] = _tp_float32_check(args, device, step, greedy, k)
     return out
+
+
+def _tp_float32_check(args, device, step, greedy, k) -> dict:
+    """Greedy tokens of TP(k) vs one device, both in float32 (no mixed precision).
+
+    A random model's next-token distributions are nearly flat, so in bf16 any change in the order
+    of additions (the TP all-reduce of row-parallel partial sums, or fused kernels) flips near-ties
+    within a few tokens; even rlkit's default replicated engine vs the eager one disagrees there.
+    In float32 those rounding differences are ~1e-7 and the comparison tests the layout itself."""
+    from rlkit.data import as_prompts
+    from rlkit.engines import SamplingParams, TorchEngine
+    from rlkit.pipeline import Pipeline
+    from rlkit.transforms.rollout import rollout
+
+    try:
+        wl, model, tok, texts = build(args.preset, device)
+        model = model.float()
+        prompts, config = as_prompts(texts, tok), model.config
+        full = {name: p.detach().clone() for name, p in model.named_parameters()}
+        from rlkit.optim import adamw
+        from rlkit.state import init
+
+        state = init(model, adamw(lr=wl.lr), tokenizer=tok, compile=False)
+        plan = Pipeline(step, reward).lower(tp=k, mixed_precision=False)
+        state = plan.shard(state)
+        tp_greedy = rollout(state, prompts, **greedy)
+        res: dict = {}
+        if _rank() == 0:
+            eos = tok.eos_token_id
+            ref = TorchEngine(config, full, pad_token_id=tok.pad_token_id, cuda_graphs=False, fuse=False, compile_decode=False)
+            params = SamplingParams(stop_token_ids=(eos,) if eos is not None else (), **greedy)
+            gen = ref.generate(prompts.ids, params)
+            res = _compare_tokens(gen.response_ids, gen.response_mask, tp_greedy["response_ids"], tp_greedy["response_mask"])
+        _barrier(device)
+        del state, plan, model, full
+        _free(device)
+        return res
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
 
 
 def _tp_reference(out, config, full, tok, prompts, greedy, tp_greedy, rep_greedy) -> None:
@@ -486,6 +527,9 @@ def print_table(result: dict) -> None:
             rg = r.get("replicated_greedy_vs_single_device", {})
             rows.append(("tp: (replicated engine, greedy)", f"agreement {rg.get('token_agreement')}, first divergence "
                          f"{rg.get('first_divergence_min')}"))
+            f32 = r.get("float32_check", {})
+            rows.append(("tp: greedy vs 1 device, float32", f"agreement {f32.get('token_agreement')}, rows identical "
+                         f"{f32.get('rows_identical_frac')}" if "error" not in f32 else f"error {f32['error'][:80]}"))
             for key, label in (("tp_sampling", f"TP({r['tp']})"), ("replicated_sampling", "replicated (default engine)"),
                                ("replicated_eager_sampling", "replicated (eager engine)")):
                 s = r[key]

@@ -63,6 +63,7 @@ def test_two_processes_every_scenario(two):
     tp = result["tp"]
     greedy = tp["greedy_vs_single_device"]
     assert tp["token_agreement"] == 1.0 and greedy["rows_identical_frac"] == 1.0
+    assert tp["float32_check"]["token_agreement"] == 1.0 and tp["float32_check"]["rows_identical_frac"] == 1.0
     assert greedy["first_divergence_min"] is None
     assert wl.n_prompts <= greedy["tokens_compared"] <= wl.n_prompts * wl.max_new_tokens
     assert tp["reshard_bytes_total"] > 0
