@@ -78,7 +78,9 @@ def _global_sum(x: torch.Tensor, state: TrainState) -> torch.Tensor:
 
 def _check_sizes(b: int, mini: int | None, micro: int | None) -> tuple[int, int]:
     mini = mini or b
-    micro = micro or mini
+    # micro_batch_size bounds the rows of one forward/backward (a memory knob): a mini-batch
+    # smaller than it (e.g. this rank's share under data parallelism) runs in one piece
+    micro = min(micro, mini) if micro else mini
     if mini <= 0 or micro <= 0:
         raise ValueError(f"mini_batch_size and micro_batch_size must be positive, got {mini} and {micro}")
     if b % mini:

@@ -28,18 +28,19 @@ def _params(model):
 def test_micro_batches_with_accumulation_equal_one_batch(tiny_model, char_tok, agg, loss):
     batch = _batch(tiny_model)
     results = []
-    for micro in (None, 2):
+    for micro in (None, 2, 64):  # 64 > the batch's rows: one micro-batch, as None
         model = copy.deepcopy(tiny_model)
         # eps=1 makes Adam's first step ~ lr * g (not lr * sign(g)), so the comparison measures
         # the gradients themselves rather than the sign of float noise on near-zero entries
         state = rk.init(model, rk.optim.adamw(lr=1e-2, eps=1.0, weight_decay=0.0), tokenizer=char_tok)
         state, metrics = rk.update(state, batch, loss=loss, agg=agg, micro_batch_size=micro, entropy_coef=0.01)
         results.append((_params(state.actor), metrics))
-    (p_full, m_full), (p_micro, m_micro) = results
-    for k in p_full:
-        torch.testing.assert_close(p_micro[k], p_full[k], atol=1e-7, rtol=1e-6)
-    assert m_micro["actor/pg_loss"] == pytest.approx(m_full["actor/pg_loss"], abs=1e-6)
-    assert m_micro["actor/grad_norm"] == pytest.approx(m_full["actor/grad_norm"], rel=1e-5)
+    (p_full, m_full), *others = results
+    for p_micro, m_micro in others:
+        for k in p_full:
+            torch.testing.assert_close(p_micro[k], p_full[k], atol=1e-7, rtol=1e-6)
+        assert m_micro["actor/pg_loss"] == pytest.approx(m_full["actor/pg_loss"], abs=1e-6)
+        assert m_micro["actor/grad_norm"] == pytest.approx(m_full["actor/grad_norm"], rel=1e-5)
 
 
 def test_update_changes_parameters_donates_and_reports(tiny_model, char_tok):
