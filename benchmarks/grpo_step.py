@@ -211,7 +211,7 @@ def run_checks(model, tok, wl, device) -> dict:
 # ----------------------------------------------------------------------------------- variants
 
 
-def run_variants(model, state, prompts, wl, device, n_params) -> dict:
+def run_variants(model, state, prompts, wl, device, n_params, engine_only: bool = False) -> dict:
     """Engine configurations, and the log-prob pass with each fast path on/off."""
     from rlkit.engines import SamplingParams, TorchEngine
     from rlkit.engines import torch_engine as te
@@ -226,11 +226,15 @@ def run_variants(model, state, prompts, wl, device, n_params) -> dict:
         ("graphs + fused weights + Triton sampler, SDPA, not compiled", dict(compile_decode=False, decode_attention="sdpa"), wl.n, True),
         ("+ compiled layer halves, separate cache copies", dict(decode_attention="sdpa"), wl.n, False),
         ("+ compiled layer entry/exit, in-graph cache writes", dict(decode_attention="sdpa"), wl.n, True),
-        ("+ Triton decode attention (default)", {}, wl.n, True),
+        ("+ Triton decode attention, fixed launch configs", dict(_autotune=False), wl.n, True),
+        ("+ Triton decode attention, autotuned launch configs (default)", {}, wl.n, True),
         ("default, batch 512", {}, 2 * wl.n, True),
     ]
     for name, kw, n, fuse_epilogues in configs:
         te.FUSE_DECODE_EPILOGUES = fuse_epilogues
+        kw = dict(kw)
+        kernels = te._triton_kernels() or {}
+        tuned = {k: kernels.pop(k) for k in ("partial_tuned", "decode_attention_tuned") if k in kernels} if kw.pop("_autotune", True) is False else {}
         try:
             eng = TorchEngine.from_model(model, **kw)
             params = SamplingParams(n=n, max_new_tokens=wl.max_new_tokens, temperature=1.0, ignore_stop=True)
@@ -256,6 +260,8 @@ def run_variants(model, state, prompts, wl, device, n_params) -> dict:
         except Exception as exc:  # noqa: BLE001 - a failing variant is reported, the rest still run
             res["engine"][name] = {"error": repr(exc)}
             traceback.print_exc()
+        finally:
+            kernels.update(tuned)
         torch.cuda.empty_cache()
     te.FUSE_DECODE_EPILOGUES = True
     try:
@@ -263,6 +269,8 @@ def run_variants(model, state, prompts, wl, device, n_params) -> dict:
     except Exception as exc:  # noqa: BLE001
         res["decode_kernels"] = {"error": repr(exc)}
         traceback.print_exc()
+    if engine_only:
+        return res
 
     batch = rollout(state, prompts, n=wl.n, max_new_tokens=wl.max_new_tokens, ignore_stop=wl.ignore_eos)
     tokens = float(batch["prompt_mask"].sum() + batch["response_mask"].sum())
@@ -473,6 +481,7 @@ def main(argv=None) -> dict:
                          "(old = the rollout's log-probs, the GRPO recipe's default), larger micro-batches, eager model")
     ap.add_argument("--configs-budget-s", type=float, default=400.0,
                     help="skip --configs when the run has already taken longer than this")
+    ap.add_argument("--engine-only", action="store_true", help="with --variants: time the engine variants only, then stop")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", default=None, help="also write the result JSON here")
     args = ap.parse_args(argv)
@@ -515,7 +524,10 @@ def main(argv=None) -> dict:
             traceback.print_exc()
         print("checks:", json.dumps(result["checks"]), flush=True)
     if args.variants and gpu:
-        result["variants"] = run_variants(model, state, prompts, wl, device, n_params)
+        result["variants"] = run_variants(model, state, prompts, wl, device, n_params, engine_only=args.engine_only)
+    if args.engine_only:
+        print("RESULT_JSON " + json.dumps(result, default=float), flush=True)
+        return result
 
     times, metrics = [], []
     for i in range(warmup + steps):
