@@ -226,15 +226,11 @@ def run_variants(model, state, prompts, wl, device, n_params, engine_only: bool 
         ("graphs + fused weights + Triton sampler, SDPA, not compiled", dict(compile_decode=False, decode_attention="sdpa"), wl.n, True),
         ("+ compiled layer halves, separate cache copies", dict(decode_attention="sdpa"), wl.n, False),
         ("+ compiled layer entry/exit, in-graph cache writes", dict(decode_attention="sdpa"), wl.n, True),
-        ("+ Triton decode attention, fixed launch configs", dict(_autotune=False), wl.n, True),
-        ("+ Triton decode attention, autotuned launch configs (default)", {}, wl.n, True),
+        ("+ Triton decode attention (default)", {}, wl.n, True),
         ("default, batch 512", {}, 2 * wl.n, True),
     ]
     for name, kw, n, fuse_epilogues in configs:
         te.FUSE_DECODE_EPILOGUES = fuse_epilogues
-        kw = dict(kw)
-        kernels = te._triton_kernels() or {}
-        tuned = {k: kernels.pop(k) for k in ("partial_tuned", "decode_attention_tuned") if k in kernels} if kw.pop("_autotune", True) is False else {}
         try:
             eng = TorchEngine.from_model(model, **kw)
             params = SamplingParams(n=n, max_new_tokens=wl.max_new_tokens, temperature=1.0, ignore_stop=True)
@@ -260,8 +256,6 @@ def run_variants(model, state, prompts, wl, device, n_params, engine_only: bool 
         except Exception as exc:  # noqa: BLE001 - a failing variant is reported, the rest still run
             res["engine"][name] = {"error": repr(exc)}
             traceback.print_exc()
-        finally:
-            kernels.update(tuned)
         torch.cuda.empty_cache()
     te.FUSE_DECODE_EPILOGUES = True
     try:

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -342,22 +341,7 @@ def _triton_kernels() -> dict[str, Any] | None:
         tl.store(out_ptr + b * o_sb + h * o_sh + g[:, None] * o_sg + d[None, :], out.to(out_ptr.dtype.element_ty), mask=g[:, None] < G)
 
     _KERNELS = {"partial": partial_kernel, "combine": combine_kernel, "decode_attention": decode_attention_kernel}
-    if AUTOTUNE and os.environ.get("TRITON_INTERPRET") != "1":
-        # launch shapes that change the speed but never the result (the sampler's column -> noise
-        # mapping depends only on QUARTER, which stays fixed); timed once per process on first use
-        _KERNELS["partial_tuned"] = triton.autotune(
-            configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in ((4, 3), (8, 3), (8, 1), (16, 2))],
-            key=["GREEDY", "QUARTER"],
-        )(partial_kernel)
-        _KERNELS["decode_attention_tuned"] = triton.autotune(
-            configs=[triton.Config({"BLOCK_N": bn}, num_warps=w) for bn, w in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8))],
-            key=["G", "D", "IEEE"],
-        )(decode_attention_kernel)
     return _KERNELS
-
-
-#: time a few launch configurations of the Triton kernels on first use (CUDA only) and keep the fastest
-AUTOTUNE = True
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_valid: torch.Tensor, length: int, scale: float) -> torch.Tensor:
@@ -380,10 +364,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), out.stride(0), out.stride(1), out.stride(2),
     )
     shape = dict(G=g, GP=max(16, triton.next_power_of_2(g)), D=d, IEEE=q.dtype == torch.float32)
-    if "decode_attention_tuned" in kernels and q.is_cuda:
-        kernels["decode_attention_tuned"][(b, kvh)](*args, **shape)
-    else:
-        kernels["decode_attention"][(b, kvh)](*args, **shape, BLOCK_N=64, num_warps=4)
+    kernels["decode_attention"][(b, kvh)](*args, **shape, BLOCK_N=64, num_warps=4)
     return out
 
 
@@ -413,10 +394,7 @@ def fused_sample(logits: torch.Tensor, sampler: _Sampler, step: torch.Tensor, te
     m, s, score, idx, z = sampler.partial
     args = (logits, logits.stride(0), vocab, sampler.split_size, sampler.seed, step, b,
             1.0 if greedy else 1.0 / temperature, m, s, score, idx, z, sampler.n_splits)
-    if "partial_tuned" in kernels and logits.is_cuda:
-        kernels["partial_tuned"][(b, sampler.n_splits)](*args, GREEDY=greedy, QUARTER=_SAMPLER_BLOCK // 4)
-    else:
-        kernels["partial"][(b, sampler.n_splits)](*args, GREEDY=greedy, QUARTER=_SAMPLER_BLOCK // 4, num_warps=8)
+    kernels["partial"][(b, sampler.n_splits)](*args, GREEDY=greedy, QUARTER=_SAMPLER_BLOCK // 4, num_warps=8)
     kernels["combine"][(b,)](
         m, s, score, idx, z, sampler.n_splits, sampler.tokens, sampler.logprobs,
         SPLITS=max(2, triton.next_power_of_2(sampler.n_splits)), num_warps=1,
