@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -133,9 +134,175 @@ def _padded_rows_attention(query, key, value, cu, max_len: int, scaling, groups:
     return out.transpose(1, 2)[row, offset][None]
 
 
+# ---------------------------------------------------------------------------------------------
+# shared prompts: the n responses of a prompt attend to ONE copy of it
+
+
+@dataclass
+class SharedPrefix:
+    """Packed layout where consecutive rows with the same prompt share one copy of it.
+
+    The sequence is ``[prompt_g, response_g1, ..., response_gn]`` per group ``g``; position ids
+    continue the prompt in every response. Attention: prompt tokens are causal among their
+    prompt; a response token sees its group's prompt and its own response up to itself. Every
+    token's computation is the unshared one's, so log-probs, values and gradients are equal (the
+    prompt's gradient is the sum over its responses, which autograd accumulates); only the
+    prompt's linear layers and MLPs run once per group instead of once per row.
+    """
+
+    input_ids: torch.Tensor  # (n)
+    position_ids: torch.Tensor  # (n)
+    prompt_index: torch.Tensor  # (n_p) packed positions of the prompt tokens (contiguous per group)
+    prompt_cu: torch.Tensor  # (groups + 1) prompt segment boundaries within prompt_index
+    prompt_max: int
+    response_index: torch.Tensor  # (n_r) packed positions of response tokens, row-major
+    response_cu: torch.Tensor  # (rows' + 1) query segments (rows with >= 1 response token)
+    key_index: torch.Tensor  # (n_k) packed positions of each response row's keys: its prompt, then itself
+    key_cu: torch.Tensor  # (rows' + 1)
+    key_offset: torch.Tensor  # (rows') prompt length of each such row: query i sees keys [0, offset + i]
+    response_max: int
+    key_max: int
+    predict_index: torch.Tensor  # (m) position whose hidden state predicts each response token
+
+
+def _cu(lengths: torch.Tensor) -> torch.Tensor:
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.long, device=lengths.device)
+    cu[1:] = lengths.cumsum(0)
+    return cu
+
+
+def shared_prefix(prompt_ids, prompt_mask, response_ids, response_mask) -> SharedPrefix | None:
+    """The :class:`SharedPrefix` layout of a left-padded batch, or None when no two consecutive
+    rows share a prompt (then sharing saves nothing)."""
+    prompt_mask, response_mask = prompt_mask.bool(), response_mask.bool()
+    b = prompt_ids.shape[0]
+    if b < 2:
+        return None
+    key = torch.where(prompt_mask, prompt_ids, torch.full_like(prompt_ids, -1))
+    same = (key[1:] == key[:-1]).all(-1)
+    if not bool(same.any()):
+        return None
+    device = prompt_ids.device
+    starts = torch.ones(b, dtype=torch.bool, device=device)
+    starts[1:] = ~same
+    group = starts.long().cumsum(0) - 1  # (b) group of each row
+    p_len, r_len = prompt_mask.sum(1), response_mask.sum(1)
+    # keep a row's prompt only at its group's first row: row-major order is then
+    # prompt_g, response_g1, response_g2, ... for every group
+    keep = torch.cat([prompt_mask & starts[:, None], response_mask], dim=1)
+    ids = torch.cat([prompt_ids, response_ids], dim=1)
+    pos = torch.cat([prompt_mask, response_mask], dim=1).long().cumsum(1) - 1
+    flat = keep.flatten()
+    input_ids, position_ids = ids.flatten()[flat], pos.flatten()[flat]
+    row_len = keep.sum(1)  # tokens each row contributes
+    row_start = _cu(row_len)[:-1]  # packed position of each row's first kept token
+    first_row = torch.nonzero(starts).flatten()  # (groups)
+    group_prompt_start = row_start[first_row]  # the prompt is the first thing its group's first row keeps
+    prompt_start = group_prompt_start[group]  # (b)
+    response_start = row_start + torch.where(starts, p_len, torch.zeros_like(p_len))  # (b)
+
+    def ranges(begin: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """concatenated aranges: begin[i] .. begin[i] + lengths[i] - 1"""
+        cu = _cu(lengths)
+        owner = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+        return begin[owner] + torch.arange(int(cu[-1]), device=device) - cu[owner]
+
+    g_plen = p_len[first_row]
+    prompt_index = ranges(group_prompt_start, g_plen)
+    rows = torch.nonzero(r_len > 0).flatten()
+    rl, pl = r_len[rows], p_len[rows]
+    response_index = ranges(response_start[rows], rl)
+    # keys of row r: its group's prompt [prompt_start, +P) then its response [response_start, +R)
+    k_len = pl + rl
+    k_cu = _cu(k_len)
+    owner = torch.repeat_interleave(torch.arange(rows.numel(), device=device), k_len)
+    k_pos = torch.arange(int(k_cu[-1]), device=device) - k_cu[owner]
+    key_index = torch.where(
+        k_pos < pl[owner], prompt_start[rows][owner] + k_pos, response_start[rows][owner] + k_pos - pl[owner]
+    )
+    # response token t of row r is predicted by the hidden state before it: the group's last
+    # prompt token for t = 0, response token t - 1 otherwise
+    t = torch.arange(int(rl.sum()), device=device) - _cu(rl)[torch.repeat_interleave(torch.arange(rows.numel(), device=device), rl)]
+    owner_r = torch.repeat_interleave(torch.arange(rows.numel(), device=device), rl)
+    predict_index = torch.where(
+        t == 0, prompt_start[rows][owner_r] + pl[owner_r] - 1, response_start[rows][owner_r] + t - 1
+    )
+    return SharedPrefix(
+        input_ids=input_ids, position_ids=position_ids, prompt_index=prompt_index, prompt_cu=_cu(g_plen),
+        prompt_max=int(g_plen.max()), response_index=response_index, response_cu=_cu(rl), key_index=key_index,
+        key_cu=k_cu, key_offset=pl, response_max=int(rl.max()) if rl.numel() else 0,
+        key_max=int(k_len.max()) if k_len.numel() else 0, predict_index=predict_index,
+    )
+
+
+def _segments_to_padded(t: torch.Tensor, cu: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``t (h n d)`` of concatenated segments -> ``(s h L d)`` zero-padded, plus (row, offset) of each token."""
+    n = t.shape[1]
+    pos = torch.arange(n, device=t.device)
+    row = torch.searchsorted(cu[1:], pos, right=True)
+    offset = pos - cu[row]
+    out = t.new_zeros(cu.numel() - 1, max_len, t.shape[0], t.shape[2])
+    out[row, offset] = t.transpose(0, 1)
+    return out.transpose(1, 2), row, offset
+
+
+def _shared_prefix_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, sliding_window=None, **kwargs):
+    """A transformers attention function for the :class:`SharedPrefix` layout:
+    ``query (1 H n d)``, ``key/value (1 kvh n d)`` -> ``(1 n H d)``. Each part is zero-padded into
+    a batch of segments for SDPA (work ``O(segments L^2)``)."""
+    layout: SharedPrefix | None = kwargs.get("rlkit_shared_prefix")
+    if layout is None:
+        raise RuntimeError("rlkit shared-prefix attention needs rlkit_shared_prefix (call through rlkit.models.response_hidden)")
+    if dropout or sliding_window is not None:
+        raise RuntimeError(f"rlkit shared-prefix attention supports no attention dropout ({dropout}) or sliding window ({sliding_window})")
+    q, k, v = query[0], key[0], value[0]  # (h n d)
+    groups = q.shape[0] // k.shape[0]
+    out = q.new_zeros(q.shape[1], q.shape[0], q.shape[2])  # (n H d)
+
+    def attend(qi, ki, q_cu, k_cu, q_max, k_max, offset):
+        qs, row, pos = _segments_to_padded(q[:, qi], q_cu, q_max)
+        ks, _, _ = _segments_to_padded(k[:, ki], k_cu, k_max)
+        vs, _, _ = _segments_to_padded(v[:, ki], k_cu, k_max)
+        if groups > 1:
+            ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
+        i = torch.arange(q_max, device=q.device)
+        j = torch.arange(k_max, device=q.device)
+        k_len = (k_cu[1:] - k_cu[:-1])[:, None, None]
+        # query i of a segment sees keys j <= offset + i (its prompt, then itself causally);
+        # key 0 is always real, so padded query slots have a non-empty softmax row
+        mask = (j[None, None, :] <= offset[:, None, None] + i[None, :, None]) & (j[None, None, :] < k_len)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[:, None], scale=scaling)  # (s H L d)
+        return o.transpose(1, 2)[row, pos]  # (tokens H d)
+
+    zero = torch.zeros(layout.prompt_cu.numel() - 1, dtype=torch.long, device=q.device)
+    out = out.index_copy(0, layout.prompt_index, attend(layout.prompt_index, layout.prompt_index, layout.prompt_cu,
+                                                         layout.prompt_cu, layout.prompt_max, layout.prompt_max, zero))
+    if layout.response_index.numel():
+        out = out.index_copy(0, layout.response_index, attend(layout.response_index, layout.key_index, layout.response_cu,
+                                                              layout.key_cu, layout.response_max, layout.key_max, layout.key_offset))
+    return out[None], None
+
+
+_SHARED_NAME = "rlkit_shared_prefix"
+
+#: compute each prompt once per group of consecutive rows sharing it, in the training forward:
+#: "auto" does it on CPU (measured: benchmarks/README.md); on CUDA the flash path stays until the
+#: shared layout has a flash kernel and GPU measurements. True / False force it.
+SHARE_PROMPTS: bool | str = "auto"
+
+
 #: on CPU, packed sequences shorter than this keep transformers' dense block-diagonal mask (cheap
 #: at that size); longer ones use the padded-rows attention, O(b L^2) instead of O(n^2)
 CPU_DENSE_MASK_MAX_TOKENS = 512
+
+
+def _can_share(backbone: nn.Module) -> bool:
+    config = getattr(backbone, "config", None)
+    if config is None or getattr(backbone, "is_gradient_checkpointing", False) or getattr(config, "use_sliding_window", False):
+        return False
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
+        return False
+    return getattr(config, "_attn_implementation", None) in PACKED_ATTENTION
 
 
 def _can_use_varlen(backbone: nn.Module, device: torch.device, tokens: int = 0) -> bool:
@@ -162,7 +329,7 @@ def _attention_implementation(config, name: str):
     from transformers import AttentionInterface
 
     if name not in AttentionInterface._global_mapping:
-        AttentionInterface.register(name, _varlen_attention)
+        AttentionInterface.register(name, _shared_prefix_attention if name == _SHARED_NAME else _varlen_attention)
     previous = config._attn_implementation
     config._attn_implementation = name
     try:
@@ -323,8 +490,12 @@ def response_hidden(
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
     layout: str = "packed",
+    share_prompts: bool | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Final hidden states at the positions that predict response tokens.
+
+    ``share_prompts`` (None: the module flag :data:`SHARE_PROMPTS`): in the packed layout,
+    consecutive rows with the same prompt share one copy of it (:class:`SharedPrefix`).
 
     Returns ``hidden (m d)`` and ``targets (m)`` (the response tokens, row-major over
     ``response_mask``). ``layout="packed"``: padding dropped, rows concatenated into one ``(1 n)``
@@ -344,6 +515,16 @@ def response_hidden(
                 f"layout='packed' needs an attention implementation that reads packed position_ids "
                 f"({', '.join(PACKED_ATTENTION)}); the model uses {attn!r}: pass layout='padded'"
             )
+        share = SHARE_PROMPTS if share_prompts is None else share_prompts
+        if share == "auto":
+            share = prompt_ids.device.type == "cpu"
+        if share and _can_share(backbone):
+            view = shared_prefix(prompt_ids, prompt_mask, response_ids, response_mask)
+            if view is not None:
+                inputs = dict(input_ids=view.input_ids[None], position_ids=view.position_ids[None], attention_mask=None, use_cache=False)
+                with _attention_implementation(backbone.config, _SHARED_NAME):
+                    out = backbone(**inputs, rlkit_shared_prefix=view)
+                return out.last_hidden_state[0][view.predict_index], response_ids[response_mask]
         view = packed(
             {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids, "response_mask": response_mask}
         )

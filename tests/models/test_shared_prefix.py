@@ -1,0 +1,96 @@
+"""Shared prompts in the training forward: each prompt computed once for its consecutive rows.
+
+The shared layout must give the unshared forward's log-probs, entropies, values and gradients
+(the prompt's gradient is the sum over its responses); only the amount of arithmetic changes."""
+import copy
+
+import pytest
+import torch
+
+import rlkit as rk
+from rlkit.batch import make_batch
+from rlkit.models import critic, response_logprobs, tiny, values_for_response
+from rlkit.models import logprobs as L
+from rlkit.models.tokenizers import char_tokenizer
+
+# groups of consecutive rows with the same prompt (lengths 3, 1, 5), a lone prompt, an empty response
+PROMPTS = [[5, 6, 7]] * 3 + [[8]] * 2 + [[9, 10, 11, 12, 13]] * 3 + [[4, 4]]
+RESPONSES = [[5, 5, 5, 6], [7], [8, 9], [10, 11, 12], [], [13, 14, 15, 16, 4, 5], [6], [7, 7], [9, 8, 7]]
+
+
+def _model(**kw):
+    tok = char_tokenizer("0123456789+= ")
+    return tiny(tok, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                initializer_range=0.2, tie_word_embeddings=False, **kw)
+
+
+def _args():
+    b = make_batch(PROMPTS, RESPONSES, pad_token_id=0)
+    return b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"]
+
+
+def _run(model, share, monkeypatch):
+    monkeypatch.setattr(L, "SHARE_PROMPTS", share)
+    model.zero_grad(set_to_none=True)
+    lp, ent = response_logprobs(model, *_args(), with_entropy=True)
+    weights = torch.linspace(-1, 1, lp.numel(), dtype=lp.dtype).reshape(lp.shape)
+    ((lp * weights).sum() + 0.3 * ent.sum()).backward()
+    return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_layout_shares_each_prompt_once_and_predicts_from_the_right_positions():
+    view = L.shared_prefix(*_args())
+    assert view is not None
+    # prompts 3 + 1 + 5 + 2 once each, plus every response token
+    assert view.input_ids.numel() == 3 + 1 + 5 + 2 + sum(map(len, RESPONSES))
+    seq = view.input_ids.tolist()
+    assert seq[:3 + 4 + 1 + 2] == [5, 6, 7, 5, 5, 5, 6, 7, 8, 9]
+    # the first token of every response is predicted by its group's last prompt token
+    first_of_row = [sum(map(len, RESPONSES[:r])) for r in range(len(RESPONSES)) if RESPONSES[r]]
+    preds = view.predict_index[first_of_row].tolist()
+    assert [seq[i] for i in preds] == [7, 7, 7, 8, 13, 13, 13, 4]
+    # positions continue the prompt in every response
+    assert view.position_ids[view.response_index[:4]].tolist() == [3, 4, 5, 6]
+    assert L.shared_prefix(*[t[:1] for t in _args()]) is None  # one row: nothing to share
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_shared_prompts_give_the_unshared_logprobs_entropies_and_gradients(monkeypatch, dtype):
+    model = _model().to(dtype)
+    lp0, ent0, g0 = _run(model, False, monkeypatch)
+    lp1, ent1, g1 = _run(model, True, monkeypatch)
+    # every token's forward is the same computation: equal to float64 rounding (bitwise here)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(lp1, lp0, rtol=0, atol=tol)
+    torch.testing.assert_close(ent1, ent0, rtol=0, atol=tol)
+    # gradients: a shared prompt token's gradient is summed over its responses before the
+    # backward of transformers' RMSNorm, which computes in float32 even in a float64 model, not
+    # after; so both dtypes agree to float32 rounding (1e-6 relative; measured 4e-7)
+    assert g0.keys() == g1.keys()
+    for name in g0:
+        scale = float(g0[name].abs().max())
+        torch.testing.assert_close(g1[name], g0[name], rtol=0, atol=1e-5 * max(scale, 1.0), msg=name)
+
+
+def test_shared_prompts_give_the_unshared_critic_values(monkeypatch):
+    value_model = critic(_model()).double()
+    out = []
+    for share in (False, True):
+        monkeypatch.setattr(L, "SHARE_PROMPTS", share)
+        out.append(values_for_response(value_model, *_args()))
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=1e-10)
+
+
+def test_an_update_with_shared_prompts_equals_one_without(monkeypatch):
+    base = _model()
+    batch = make_batch(PROMPTS, RESPONSES, pad_token_id=0)
+    batch.set("advantages", torch.linspace(-1, 1, batch["response_mask"].numel()).reshape(batch["response_mask"].shape))
+    batch.set("logprobs", torch.zeros(batch["response_mask"].shape))
+    params = []
+    for share in (False, True):
+        monkeypatch.setattr(L, "SHARE_PROMPTS", share)
+        state = rk.init(copy.deepcopy(base), rk.optim.adamw(lr=1e-2, eps=1.0, weight_decay=0.0))
+        state, metrics = rk.update(state, batch, micro_batch_size=3, max_logprob_gap=None)
+        params.append({k: v.detach().clone() for k, v in state.actor.named_parameters()})
+    for k in params[0]:
+        torch.testing.assert_close(params[1][k], params[0][k], rtol=1e-5, atol=1e-7, msg=k)
