@@ -27,6 +27,11 @@ On CPU, packed batches longer than ``CPU_DENSE_MASK_MAX_TOKENS`` use the same at
 with each row scattered into a padded batch for SDPA (``O(b L^2)`` work instead of the dense
 mask's ``O(n^2)``); shorter ones keep transformers' path.
 
+Shared prompts (:class:`SharedPrefix`, ``SHARE_PROMPTS``): GRPO-style batches hold n responses
+per prompt in consecutive rows; the packed layout can keep one copy of each prompt, with every
+response attending to it, so the prompt's layers run once per group instead of n times. Same
+log-probs, values and gradients; on by default on CPU, off on CUDA until it has a flash kernel.
+
 ``USE_VARLEN_ATTENTION`` / ``USE_FUSED_LOGPROBS`` (module flags) turn either off.
 
 FSDP2: ``fully_shard`` unshards parameters in module forward hooks, so all the work happens
