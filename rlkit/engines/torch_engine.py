@@ -113,17 +113,8 @@ def _pre_attention(layer: dict, x: torch.Tensor, cos, sin, shape: tuple):
 
 def _post_attention(layer: dict, x: torch.Tensor, attn: torch.Tensor, shape: tuple) -> torch.Tensor:
     """o projection + residual -> post-attention RMSNorm -> MLP (act(gate) * up -> down) + residual."""
-    from transformers.activations import ACT2FN
-
-    eps, activation = shape[3], shape[4]
-    x = x + _linear(attn, layer, "self_attn.o_proj")
-    h = _rms_norm(x, layer["post_attention_layernorm.weight"], eps)
-    if "mlp.gate_up_proj.weight" in layer:
-        gate, up = _linear(h, layer, "mlp.gate_up_proj").chunk(2, dim=-1)
-    else:
-        gate, up = _linear(h, layer, "mlp.gate_proj"), _linear(h, layer, "mlp.up_proj")
-    act = F.silu(gate) if activation == "silu" else ACT2FN[activation](gate)
-    return x + _linear(act * up, layer, "mlp.down_proj")
+    x, mlp_out = _layer_out(layer, x, attn, shape)
+    return x + mlp_out
 
 
 def _post_attention_tp(layer: dict, x: torch.Tensor, attn: torch.Tensor, shape: tuple, group) -> torch.Tensor:
