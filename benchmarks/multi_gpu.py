@@ -430,8 +430,9 @@ def _tp_float32_check(args, device, step, greedy, k) -> dict:
     within a few tokens; even rlkit's default replicated engine vs the eager one disagrees there.
     In float32 those rounding differences are ~1e-7 and the comparison tests the layout itself."""
     from rlkit.data import as_prompts
-    from rlkit.engines import SamplingParams, TorchEngine
+    from rlkit.optim import adamw
     from rlkit.pipeline import Pipeline
+    from rlkit.state import init
     from rlkit.transforms.rollout import rollout
 
     try:
@@ -439,19 +440,13 @@ def _tp_float32_check(args, device, step, greedy, k) -> dict:
         model = model.float()
         prompts, config = as_prompts(texts, tok), model.config
         full = {name: p.detach().clone() for name, p in model.named_parameters()}
-        from rlkit.optim import adamw
-        from rlkit.state import init
-
         state = init(model, adamw(lr=wl.lr), tokenizer=tok, compile=False)
         plan = Pipeline(step, reward).lower(tp=k, mixed_precision=False)
         state = plan.shard(state)
         tp_greedy = rollout(state, prompts, **greedy)
         res: dict = {}
         if _rank() == 0:
-            eos = tok.eos_token_id
-            ref = TorchEngine(config, full, pad_token_id=tok.pad_token_id, cuda_graphs=False, fuse=False, compile_decode=False)
-            params = SamplingParams(stop_token_ids=(eos,) if eos is not None else (), **greedy)
-            gen = ref.generate(prompts.ids, params)
+            gen = _single_device_greedy(config, full, tok, prompts, greedy)
             res = _compare_tokens(gen.response_ids, gen.response_mask, tp_greedy["response_ids"], tp_greedy["response_mask"])
         _barrier(device)
         del state, plan, model, full
@@ -461,14 +456,18 @@ def _tp_float32_check(args, device, step, greedy, k) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
 
 
-def _tp_reference(out, config, full, tok, prompts, greedy, tp_greedy, rep_greedy) -> None:
-    """Rank 0: greedy tokens of one engine on the full weights vs the TP and replicated rollouts."""
+def _single_device_greedy(config, full, tok, prompts, greedy):
+    """Greedy generation of one eager engine on the full weights: the reference of the tp scenario."""
     from rlkit.engines import SamplingParams, TorchEngine
 
     eos = tok.eos_token_id
     ref = TorchEngine(config, full, pad_token_id=tok.pad_token_id, cuda_graphs=False, fuse=False, compile_decode=False)
-    params = SamplingParams(stop_token_ids=(eos,) if eos is not None else (), **greedy)
-    gen = ref.generate(prompts.ids, params)
+    return ref.generate(prompts.ids, SamplingParams(stop_token_ids=(eos,) if eos is not None else (), **greedy))
+
+
+def _tp_reference(out, config, full, tok, prompts, greedy, tp_greedy, rep_greedy) -> None:
+    """Rank 0: greedy tokens of one engine on the full weights vs the TP and replicated rollouts."""
+    gen = _single_device_greedy(config, full, tok, prompts, greedy)
     out["greedy_vs_single_device"] = _compare_tokens(gen.response_ids, gen.response_mask,
                                                      tp_greedy["response_ids"], tp_greedy["response_mask"])
     out["replicated_greedy_vs_single_device"] = _compare_tokens(gen.response_ids, gen.response_mask,

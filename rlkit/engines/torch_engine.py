@@ -788,7 +788,7 @@ class TorchEngine:
         b, kvh, d = state.tokens.shape[0], self.num_kv_heads, self.head_dim
         groups = self.num_heads // kvh
 
-        def sdpa(i, q):
+        def attention(i, q):
             if self.decode_attention == "triton":
                 out = decode_attention(q.reshape(b, kvh, groups, d), state.k_cache[i], state.v_cache[i], state.key_valid, length, d**-0.5)
                 return out.reshape(b, 1, kvh * groups * d)
@@ -807,7 +807,7 @@ class TorchEngine:
             x, delta = F.embedding(state.tokens[:, None], self.weights["model.embed_tokens.weight"]), None
             for i, layer in enumerate(self.layers):
                 x, q = layer_in(layer, x, delta, cos, sin, self._shape, state.k_cache[i], state.v_cache[i], slot)
-                x, delta = layer_out(layer, x, sdpa(i, q), self._shape)
+                x, delta = layer_out(layer, x, attention(i, q), self._shape)
             hidden = final_norm(x, delta, self.weights["model.norm.weight"], float(self.eps))
             tokens, logprobs = self._sample_logits(hidden[:, -1], params, generator, plan)
             self._record(state, tokens, logprobs, params)
@@ -816,7 +816,7 @@ class TorchEngine:
         def attend(i, q, k, v):
             state.k_cache[i].index_copy_(2, slot, k)
             state.v_cache[i].index_copy_(2, slot, v)
-            return sdpa(i, q)
+            return attention(i, q)
 
         hidden = self._forward(state.tokens[:, None], cos, sin, attend, compiled=plan.compiled)
         tokens, logprobs = self._sample_logits(hidden[:, -1], params, generator, plan)
@@ -855,7 +855,7 @@ class TorchEngine:
         return generator is None
 
     # ------------------------------------------------------------------ generate
-    def _left_pad(self, prompts: Sequence[Sequence[int]], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         if len(prompts) == 0:
             raise ValueError("generate: prompt_ids is empty; pass at least one prompt")
         vocab = self.weights["model.embed_tokens.weight"].shape[0]
@@ -870,8 +870,6 @@ class TorchEngine:
                 raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab}): {row[:10]}...")
             ids[i, width - len(row) :] = torch.tensor(row)
             mask[i, width - len(row) :] = True
-        ids = ids.repeat_interleave(n, dim=0)
-        mask = mask.repeat_interleave(n, dim=0)
         return ids, mask
 
     def _new_plan(self, key: tuple, b: int, p: int, steps: int, params: SamplingParams, fused_sampler: bool) -> _Plan:
@@ -926,7 +924,7 @@ class TorchEngine:
         start = time.perf_counter()
         # the n samples of a prompt share its prefill: run it once per prompt, then copy the
         # keys/values (and the last hidden state) to the prompt's n rows
-        ids, unique_mask = self._left_pad(prompt_ids, 1)
+        ids, unique_mask = self._left_pad(prompt_ids)
         no_padding = bool(unique_mask.all())
         ids, unique_mask = ids.to(self.device), unique_mask.to(self.device)
         prompt_mask = unique_mask.repeat_interleave(params.n, dim=0)

@@ -114,29 +114,44 @@ def _varlen_attention(module, query, key, value, attention_mask, dropout: float 
     return out[None], None
 
 
+def _segments_to_padded(t: torch.Tensor, cu: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``t (h n d)`` of concatenated segments -> ``(s h L d)`` zero-padded, plus (row, offset) of each token."""
+    n = t.shape[1]
+    pos = torch.arange(n, device=t.device)
+    row = torch.searchsorted(cu[1:], pos, right=True)
+    offset = pos - cu[row]
+    out = t.new_zeros(cu.numel() - 1, max_len, t.shape[0], t.shape[2])
+    out[row, offset] = t.transpose(0, 1)
+    return out.transpose(1, 2), row, offset
+
+
+def _segment_attention(q, k, v, q_cu, k_cu, q_max: int, k_max: int, offset, scaling, groups: int) -> torch.Tensor:
+    """Attention of query segments against key segments, each zero-padded into a batch for SDPA.
+
+    ``q (H nq d)``, ``k, v (kvh nk d)`` concatenated segments with boundaries ``q_cu`` / ``k_cu``;
+    query ``i`` of segment ``s`` sees keys ``j <= offset[s] + i`` of its segment (causal, after
+    ``offset[s]`` leading keys every query sees). Returns ``(nq H d)``."""
+    qs, row, pos = _segments_to_padded(q, q_cu, q_max)
+    ks, _, _ = _segments_to_padded(k, k_cu, k_max)
+    vs, _, _ = _segments_to_padded(v, k_cu, k_max)
+    if groups > 1:
+        ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
+    i = torch.arange(q_max, device=q.device)
+    j = torch.arange(k_max, device=q.device)
+    k_len = (k_cu[1:] - k_cu[:-1])[:, None, None]
+    # key 0 is always a real token, so padded query slots have a non-empty softmax row (their
+    # outputs are never gathered)
+    mask = (j[None, None, :] <= offset[:, None, None] + i[None, :, None]) & (j[None, None, :] < k_len)
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[:, None], scale=scaling)  # (s H L d)
+    return o.transpose(1, 2)[row, pos]
+
+
 def _padded_rows_attention(query, key, value, cu, max_len: int, scaling, groups: int) -> torch.Tensor:
     """Packed attention without flash: scatter each row into a ``(b H L d)`` batch, SDPA with a
     causal + key-padding mask, gather back -> ``(1 n H d)``. Work ``O(b L^2)``, not ``O(n^2)``."""
-    n = query.shape[2]
-    pos = torch.arange(n, device=query.device)
-    row = torch.searchsorted(cu[1:].long(), pos, right=True)
-    offset = pos - cu.long()[row]
-    rows = cu.numel() - 1
-
-    def pad(t):  # (1 h n d) -> (b h L d)
-        out = t.new_zeros(rows, max_len, t.shape[1], t.shape[3])
-        out[row, offset] = t[0].transpose(0, 1)
-        return out.transpose(1, 2)
-
-    q, k, v = pad(query), pad(key), pad(value)
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    lengths = (cu[1:] - cu[:-1]).long()
-    steps = torch.arange(max_len, device=query.device)
-    # padded query slots still see key 0 (a real token), so no softmax row is empty
-    mask = (steps[None, :] <= steps[:, None])[None] & (steps[None, None, :] < lengths[:, None, None])
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scaling)
-    return out.transpose(1, 2)[row, offset][None]
+    cu = cu.long()
+    zero = torch.zeros(cu.numel() - 1, dtype=torch.long, device=query.device)
+    return _segment_attention(query[0], key[0], value[0], cu, cu, max_len, max_len, zero, scaling, groups)[None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,8 +242,8 @@ def shared_prefix(prompt_ids, prompt_mask, response_ids, response_mask) -> Share
     )
     # response token t of row r is predicted by the hidden state before it: the group's last
     # prompt token for t = 0, response token t - 1 otherwise
-    t = torch.arange(int(rl.sum()), device=device) - _cu(rl)[torch.repeat_interleave(torch.arange(rows.numel(), device=device), rl)]
     owner_r = torch.repeat_interleave(torch.arange(rows.numel(), device=device), rl)
+    t = torch.arange(int(rl.sum()), device=device) - _cu(rl)[owner_r]
     predict_index = torch.where(
         t == 0, prompt_start[rows][owner_r] + pl[owner_r] - 1, response_start[rows][owner_r] + t - 1
     )
@@ -240,21 +255,10 @@ def shared_prefix(prompt_ids, prompt_mask, response_ids, response_mask) -> Share
     )
 
 
-def _segments_to_padded(t: torch.Tensor, cu: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``t (h n d)`` of concatenated segments -> ``(s h L d)`` zero-padded, plus (row, offset) of each token."""
-    n = t.shape[1]
-    pos = torch.arange(n, device=t.device)
-    row = torch.searchsorted(cu[1:], pos, right=True)
-    offset = pos - cu[row]
-    out = t.new_zeros(cu.numel() - 1, max_len, t.shape[0], t.shape[2])
-    out[row, offset] = t.transpose(0, 1)
-    return out.transpose(1, 2), row, offset
-
-
 def _shared_prefix_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, sliding_window=None, **kwargs):
     """A transformers attention function for the :class:`SharedPrefix` layout:
-    ``query (1 H n d)``, ``key/value (1 kvh n d)`` -> ``(1 n H d)``. Each part is zero-padded into
-    a batch of segments for SDPA (work ``O(segments L^2)``)."""
+    ``query (1 H n d)``, ``key/value (1 kvh n d)`` -> ``(1 n H d)``: prompts causal among
+    themselves, each response over its prompt then itself (:func:`_segment_attention`)."""
     layout: SharedPrefix | None = kwargs.get("rlkit_shared_prefix")
     if layout is None:
         raise RuntimeError("rlkit shared-prefix attention needs rlkit_shared_prefix (call through rlkit.models.response_hidden)")
@@ -263,28 +267,14 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, dropout:
     q, k, v = query[0], key[0], value[0]  # (h n d)
     groups = q.shape[0] // k.shape[0]
     out = q.new_zeros(q.shape[1], q.shape[0], q.shape[2])  # (n H d)
-
-    def attend(qi, ki, q_cu, k_cu, q_max, k_max, offset):
-        qs, row, pos = _segments_to_padded(q[:, qi], q_cu, q_max)
-        ks, _, _ = _segments_to_padded(k[:, ki], k_cu, k_max)
-        vs, _, _ = _segments_to_padded(v[:, ki], k_cu, k_max)
-        if groups > 1:
-            ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
-        i = torch.arange(q_max, device=q.device)
-        j = torch.arange(k_max, device=q.device)
-        k_len = (k_cu[1:] - k_cu[:-1])[:, None, None]
-        # query i of a segment sees keys j <= offset + i (its prompt, then itself causally);
-        # key 0 is always real, so padded query slots have a non-empty softmax row
-        mask = (j[None, None, :] <= offset[:, None, None] + i[None, :, None]) & (j[None, None, :] < k_len)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[:, None], scale=scaling)  # (s H L d)
-        return o.transpose(1, 2)[row, pos]  # (tokens H d)
-
     zero = torch.zeros(layout.prompt_cu.numel() - 1, dtype=torch.long, device=q.device)
-    out = out.index_copy(0, layout.prompt_index, attend(layout.prompt_index, layout.prompt_index, layout.prompt_cu,
-                                                         layout.prompt_cu, layout.prompt_max, layout.prompt_max, zero))
+    p = layout.prompt_index
+    out = out.index_copy(0, p, _segment_attention(q[:, p], k[:, p], v[:, p], layout.prompt_cu, layout.prompt_cu,
+                                                  layout.prompt_max, layout.prompt_max, zero, scaling, groups))
     if layout.response_index.numel():
-        out = out.index_copy(0, layout.response_index, attend(layout.response_index, layout.key_index, layout.response_cu,
-                                                              layout.key_cu, layout.response_max, layout.key_max, layout.key_offset))
+        r, kk = layout.response_index, layout.key_index
+        out = out.index_copy(0, r, _segment_attention(q[:, r], k[:, kk], v[:, kk], layout.response_cu, layout.key_cu,
+                                                      layout.response_max, layout.key_max, layout.key_offset, scaling, groups))
     return out[None], None
 
 
