@@ -1,3 +1,4 @@
+import copy
 import math
 
 import pytest
@@ -171,3 +172,26 @@ def test_values_packed_padded_and_alignment(model, batch):
     # gradients flow to the critic
     values_for_response(value_model, *_args(batch)).sum().backward()
     assert value_model.score.weight.grad.abs().sum() > 0
+
+
+def test_padded_rows_attention_equals_the_padded_layout(model, batch, monkeypatch):
+    """The CPU path for long packed batches (each row scattered into a padded batch for SDPA)
+    gives the padded layout's log-probs and gradients."""
+    from rlkit.models import logprobs as L
+
+    monkeypatch.setattr(L, "CPU_DENSE_MASK_MAX_TOKENS", 0)  # every packed batch takes that path
+    monkeypatch.setattr(L, "SHARE_PROMPTS", False)
+    calls = []
+    monkeypatch.setattr(L, "_padded_rows_attention", lambda *a, _f=L._padded_rows_attention: calls.append(1) or _f(*a))
+    model = copy.deepcopy(model).double()  # float64: the two layouts must agree to rounding
+    results = []
+    for layout in ("packed", "padded"):
+        model.zero_grad(set_to_none=True)
+        lp, _ = response_logprobs(model, *_args(batch), layout=layout)
+        (lp * torch.arange(lp.numel(), dtype=lp.dtype).reshape(lp.shape)).sum().backward()
+        results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    assert calls, "the packed call did not go through the padded-rows attention"
+    (lp0, g0), (lp1, g1) = results
+    torch.testing.assert_close(lp0, lp1, rtol=0, atol=1e-6)  # log-probs are computed in float32
+    for name in g1:
+        torch.testing.assert_close(g0[name], g1[name], rtol=1e-9, atol=1e-9 * float(g1[name].abs().max()), msg=name)
