@@ -190,6 +190,22 @@ def run_checks(model, tok, wl, device) -> dict:
     out["entropy_fast_vs_plain_max_abs"] = float((grads["fast"][1] - grads["plain"][1]).abs().max())
     g1, g2 = grads["fast"][2], grads["plain"][2]
     out["grad_fast_vs_plain_rel"] = float((g1 - g2).norm() / g2.norm())
+    # shared prompts (flash, bottom-right causal) vs the unshared packed forward on a GRPO-shaped
+    # batch (8 prompts x 4 responses): log-probs and gradients
+    batch = make_batch([prompts[i // 4] for i in range(32)], [responses[i % 16] for i in range(32)])
+    args = [batch[k].to(device) for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+    weights = torch.randn(args[3].shape, device=device)
+    shared = {}
+    for share in (False, True):
+        L.SHARE_PROMPTS = share
+        model.zero_grad(set_to_none=True)
+        lp, ent = response_logprobs(model, *args, with_entropy=True)
+        ((lp * weights).sum() + ent.sum() * 0.1).backward()
+        shared[share] = (lp.detach(), torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None]))
+    L.SHARE_PROMPTS = "auto"
+    model.zero_grad(set_to_none=True)
+    out["shared_vs_unshared_lp_max_abs"] = float((shared[True][0] - shared[False][0]).abs().max())
+    out["shared_vs_unshared_grad_rel"] = float((shared[True][1] - shared[False][1]).norm() / shared[False][1].norm())
     # Triton kernel alone vs float64 reference
     x = (torch.randn(512, vocab, device=device) * 2).to(torch.bfloat16).requires_grad_(True)
     y = torch.randint(0, vocab, (512,), device=device)
@@ -222,15 +238,16 @@ def run_variants(model, state, prompts, wl, device, n_params, engine_only: bool 
     res = {"engine": {}, "logprobs": {}}
     ids = prompts.ids
     configs = [
-        # (name, engine kwargs, samples per prompt, te.FUSE_DECODE_EPILOGUES)
-        ("graphs + fused weights + Triton sampler, SDPA, not compiled", dict(compile_decode=False, decode_attention="sdpa"), wl.n, True),
-        ("+ compiled layer halves, separate cache copies", dict(decode_attention="sdpa"), wl.n, False),
-        ("+ compiled layer entry/exit, in-graph cache writes", dict(decode_attention="sdpa"), wl.n, True),
-        ("+ Triton decode attention (default)", {}, wl.n, True),
-        ("default, batch 512", {}, 2 * wl.n, True),
+        # (name, engine kwargs, samples per prompt, te.FUSE_DECODE_EPILOGUES, te.FUSE_ROTARY_ATTENTION)
+        ("graphs + fused weights + Triton sampler, SDPA, not compiled", dict(compile_decode=False, decode_attention="sdpa"), wl.n, True, True),
+        ("+ compiled layer halves, separate cache copies", dict(decode_attention="sdpa"), wl.n, False, True),
+        ("+ compiled layer entry/exit, in-graph cache writes", dict(decode_attention="sdpa"), wl.n, True, True),
+        ("+ Triton decode attention, rotary/cache writes by inductor", {}, wl.n, True, False),
+        ("+ rotary and cache writes in the attention kernel (default)", {}, wl.n, True, True),
+        ("default, batch 512", {}, 2 * wl.n, True, True),
     ]
-    for name, kw, n, fuse_epilogues in configs:
-        te.FUSE_DECODE_EPILOGUES = fuse_epilogues
+    for name, kw, n, fuse_epilogues, fuse_rotary in configs:
+        te.FUSE_DECODE_EPILOGUES, te.FUSE_ROTARY_ATTENTION = fuse_epilogues, fuse_rotary
         try:
             eng = TorchEngine.from_model(model, **kw)
             params = SamplingParams(n=n, max_new_tokens=wl.max_new_tokens, temperature=1.0, ignore_stop=True)
@@ -257,7 +274,7 @@ def run_variants(model, state, prompts, wl, device, n_params, engine_only: bool 
             res["engine"][name] = {"error": repr(exc)}
             traceback.print_exc()
         torch.cuda.empty_cache()
-    te.FUSE_DECODE_EPILOGUES = True
+    te.FUSE_DECODE_EPILOGUES = te.FUSE_ROTARY_ATTENTION = True
     try:
         res["decode_kernels"] = profile_decode(model, ids, wl)
     except Exception as exc:  # noqa: BLE001
@@ -269,13 +286,15 @@ def run_variants(model, state, prompts, wl, device, n_params, engine_only: bool 
     batch = rollout(state, prompts, n=wl.n, max_new_tokens=wl.max_new_tokens, ignore_stop=wl.ignore_eos)
     tokens = float(batch["prompt_mask"].sum() + batch["response_mask"].sum())
     reference = None
-    for name, varlen, fused, micro in [
-        ("varlen + Triton log-softmax, 256 rows/pass", True, True, None),
-        ("varlen + Triton log-softmax, 128 rows/pass", True, True, 128),
-        ("varlen, torch log-softmax, 128 rows/pass", True, False, 128),
-        ("dense packed mask + torch log-softmax, 32 rows/pass", False, False, 32),
+    share_default = L.SHARE_PROMPTS
+    for name, varlen, fused, micro, share in [
+        ("varlen + Triton log-softmax, 256 rows/pass", True, True, None, False),
+        ("prompts shared (flash, bottom-right causal), 256 rows/pass", True, True, None, True),
+        ("varlen + Triton log-softmax, 128 rows/pass", True, True, 128, False),
+        ("varlen, torch log-softmax, 128 rows/pass", True, False, 128, False),
+        ("dense packed mask + torch log-softmax, 32 rows/pass", False, False, 32, False),
     ]:
-        L.USE_VARLEN_ATTENTION, L.USE_FUSED_LOGPROBS = varlen, fused
+        L.USE_VARLEN_ATTENTION, L.USE_FUSED_LOGPROBS, L.SHARE_PROMPTS = varlen, fused, share
         try:
             torch.cuda.reset_peak_memory_stats()
             compute_old_logprobs(state, batch, micro_batch_size=micro)
@@ -288,11 +307,12 @@ def run_variants(model, state, prompts, wl, device, n_params, engine_only: bool 
             tf = 2 * n_params * tokens / dt / 1e12
             res["logprobs"][name] = {"seconds": dt, "tflops": tf, "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
                                      "max_abs_vs_first": float((lp - reference).abs().max())}
-            print(f"  logprobs {name:50s} {dt:.3f}s {tf:6.1f} TFLOP/s", flush=True)
+            print(f"  logprobs {name:60s} {dt:.3f}s {tf:6.1f} TFLOP/s (unshared-token count)", flush=True)
         except Exception as exc:  # noqa: BLE001
             res["logprobs"][name] = {"error": repr(exc)}
             traceback.print_exc()
         torch.cuda.empty_cache()
+    L.SHARE_PROMPTS = share_default
     L.USE_VARLEN_ATTENTION = L.USE_FUSED_LOGPROBS = True
     return res
 
@@ -384,7 +404,11 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
 
     from rlkit.models.compile import compile_layers, is_compiled, uncompile_layers
 
+    from rlkit.models import logprobs as L
+
     configs = [("old = rollout log-probs (no separate old pass)", dict(old_logprobs=False), None)]
+    sharing = L.shares_prompts(device)
+    configs.append((f"prompts {'not ' if sharing else ''}shared in the training forward", {}, "share"))
     if device.type == "cuda":
         configs.append(("update micro-batch 64, log-prob passes 128 rows", dict(micro_batch=64, logprob_micro_batch=128), None))
         if is_compiled(model):
@@ -396,6 +420,8 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
                 for m in (state.actor, state.ref):
                     if m is not None:
                         uncompile_layers(m)
+            if mode == "share":
+                L.SHARE_PROMPTS = not sharing
             times, metrics = [], []
             for i in range(4):  # one warm-up step, three timed
                 state, t, m = grpo_step(state, prompts, cwl, device)
@@ -412,6 +438,7 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
             out[name] = {"error": repr(exc)}
             traceback.print_exc()
         finally:
+            L.SHARE_PROMPTS = "auto"
             if mode == "eager":
                 for m in (state.actor, state.ref):
                     if m is not None:

@@ -85,12 +85,9 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
 
 
-def _pre_attention(layer: dict, x: torch.Tensor, cos, sin, shape: tuple):
-    """input RMSNorm -> q, k, v projections -> (Qwen3 q/k norms) -> rotary.
-
-    ``x (b s h)``, ``cos, sin (b s d)`` -> ``q (b H s d)``, ``k, v (b kvh s d)``. ``shape`` is
-    ``(heads, kv_heads, head_dim, eps, activation)``: plain values, so one ``torch.compile`` of
-    this function serves every layer and every engine of the same config."""
+def _qkv(layer: dict, x: torch.Tensor, shape: tuple):
+    """input RMSNorm -> q, k, v projections -> (Qwen3 q/k norms): ``x (b s h)`` -> ``q (b s H d)``,
+    ``k, v (b s kvh d)``, before rotary."""
     heads, kv_heads, head_dim, eps, _ = shape
     x = _rms_norm(x, layer["input_layernorm.weight"], eps)
     b, s, _ = x.shape
@@ -104,6 +101,16 @@ def _pre_attention(layer: dict, x: torch.Tensor, cos, sin, shape: tuple):
     if "self_attn.q_norm.weight" in layer:  # Qwen3: RMSNorm over each head before rotary
         q = _rms_norm(q, layer["self_attn.q_norm.weight"], eps)
         k = _rms_norm(k, layer["self_attn.k_norm.weight"], eps)
+    return q, k, v
+
+
+def _pre_attention(layer: dict, x: torch.Tensor, cos, sin, shape: tuple):
+    """:func:`_qkv` -> rotary.
+
+    ``x (b s h)``, ``cos, sin (b s d)`` -> ``q (b H s d)``, ``k, v (b kvh s d)``. ``shape`` is
+    ``(heads, kv_heads, head_dim, eps, activation)``: plain values, so one ``torch.compile`` of
+    this function serves every layer and every engine of the same config."""
+    q, k, v = _qkv(layer, x, shape)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     cos, sin = cos[:, None], sin[:, None]
     q = q * cos + _rotate_half(q) * sin
@@ -150,6 +157,15 @@ def _layer_in(layer: dict, x: torch.Tensor, delta: torch.Tensor | None, cos, sin
     return x, q
 
 
+def _layer_qkv(layer: dict, x: torch.Tensor, delta: torch.Tensor | None, shape: tuple):
+    """Decode-step layer entry for the Triton attention kernel, which applies rotary and writes
+    the cache itself: ``x + delta`` -> :func:`_qkv`. Returns ``(x, q, k, v)``; for Llama/Qwen2
+    the three are views of the one q|k|v product (no kernel between the matmul and attention)."""
+    if delta is not None:
+        x = x + delta
+    return (x, *_qkv(layer, x, shape))
+
+
 def _layer_out(layer: dict, x: torch.Tensor, attn: torch.Tensor, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_post_attention` without its last residual add: returns ``(x, mlp_out)``; the next
     :func:`_layer_in` (or the final norm) adds them."""
@@ -174,18 +190,22 @@ def _final_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps:
 #: inside the compiled kernels) rather than the two compiled halves of each layer plus separate
 #: cache copies; a module flag so benchmarks can time both
 FUSE_DECODE_EPILOGUES = True
+#: with the Triton decode attention, compiled decode steps leave rotary and the cache writes to
+#: the attention kernel (:func:`decode_attention`) instead of inductor's kernels; a module flag
+#: so benchmarks can time both
+FUSE_ROTARY_ATTENTION = True
 
 _COMPILED: tuple | None = None
 
 
 def _compiled_layer_pieces() -> tuple:
-    """``(pre, post, layer_in, layer_out, final_norm)`` compiled once per process. The weights are
+    """``(pre, post, layer_in, layer_out, final_norm, layer_qkv)`` compiled once per process. The weights are
     inputs, so one graph serves every layer of every engine of the same config; shapes start
     static and the first new shape (another batch size or cache length) recompiles them as
     dynamic, so a process never runs into dynamo's recompile limit and silently goes eager."""
     global _COMPILED
     if _COMPILED is None:
-        _COMPILED = tuple(torch.compile(fn, dynamic=None) for fn in (_pre_attention, _post_attention, _layer_in, _layer_out, _final_norm))
+        _COMPILED = tuple(torch.compile(fn, dynamic=None) for fn in (_pre_attention, _post_attention, _layer_in, _layer_out, _final_norm, _layer_qkv))
     return _COMPILED
 
 
@@ -197,7 +217,7 @@ _KERNELS: dict[str, Any] | None = None
 
 def _triton_kernels() -> dict[str, Any] | None:
     """The Triton kernels (sampler partial/combine, decode attention), or None when Triton is not importable."""
-    global _KERNELS, triton, tl
+    global _KERNELS, triton, tl, libdevice
     if _KERNELS is not None:
         return _KERNELS or None
     try:
@@ -206,71 +226,81 @@ def _triton_kernels() -> dict[str, Any] | None:
     except ImportError:
         _KERNELS = {}
         return None
+    libdevice = _libdevice()
 
     @triton.jit
     def partial_kernel(
-        logits_ptr, row_stride, vocab, split_size, seed_ptr, step_ptr, n_rows, inv_temp,
+        logits_ptr, row_stride, vocab, split_size, seed_ptr, step_ptr, n_rows, scale,
         out_m, out_s, out_score, out_idx, out_z, n_splits,
-        GREEDY: tl.constexpr, QUARTER: tl.constexpr,
+        GREEDY: tl.constexpr, QUARTER: tl.constexpr, FAST_LOG: tl.constexpr,
     ):
         # program (row, split): log-sum-exp and Gumbel-max argmax over vocab[start:start + split_size]
-        # of one row. Each iteration reads 4 x QUARTER columns; the state is kept per lane (one
-        # block-wide max per iteration, no other reduction until the end) and one Philox call
-        # gives the noise of 4 columns (tl.rand4x), the two costs that bounded the simple version.
+        # of one row, in base 2 (y = z log2(e) / T, so exp2/log2 map to the hardware's ex2/lg2).
+        # Each iteration reads 4 x QUARTER columns. All state is per lane (running max, sum,
+        # best key): no block-wide reduction until the end. One Philox call (tl.rand4x) gives
+        # the noise of 4 columns.
         row = tl.program_id(0)
         split = tl.program_id(1)
         start = split * split_size  # a multiple of 4 * QUARTER
         base = logits_ptr + row.to(tl.int64) * row_stride
         seed = tl.load(seed_ptr) + tl.load(step_ptr) * n_rows + row
         lanes = tl.arange(0, QUARTER)
-        run_max = tl.full([], float("-inf"), tl.float32)
+        run_max = tl.full([QUARTER], float("-inf"), tl.float32)
         sums = tl.zeros([QUARTER], tl.float32)
         best = tl.full([QUARTER], float("-inf"), tl.float32)
         best_idx = tl.full([QUARTER], -1, tl.int32)
-        best_z = tl.zeros([QUARTER], tl.float32)
+        best_y = tl.zeros([QUARTER], tl.float32)
         for off in range(0, split_size, 4 * QUARTER):
             c0 = start + off + lanes
             c1 = c0 + QUARTER
             c2 = c1 + QUARTER
             c3 = c2 + QUARTER
-            z0 = tl.load(base + c0, mask=c0 < vocab, other=float("-inf")).to(tl.float32) * inv_temp
-            z1 = tl.load(base + c1, mask=c1 < vocab, other=float("-inf")).to(tl.float32) * inv_temp
-            z2 = tl.load(base + c2, mask=c2 < vocab, other=float("-inf")).to(tl.float32) * inv_temp
-            z3 = tl.load(base + c3, mask=c3 < vocab, other=float("-inf")).to(tl.float32) * inv_temp
-            # the first iteration of every program has a valid column, so run_max is finite after it
-            new_max = tl.maximum(run_max, tl.max(tl.maximum(tl.maximum(z0, z1), tl.maximum(z2, z3)), 0))
-            sums = sums * tl.exp(run_max - new_max) + (
-                tl.exp(z0 - new_max) + tl.exp(z1 - new_max) + tl.exp(z2 - new_max) + tl.exp(z3 - new_max)
+            y0 = tl.load(base + c0, mask=c0 < vocab, other=float("-inf")).to(tl.float32) * scale
+            y1 = tl.load(base + c1, mask=c1 < vocab, other=float("-inf")).to(tl.float32) * scale
+            y2 = tl.load(base + c2, mask=c2 < vocab, other=float("-inf")).to(tl.float32) * scale
+            y3 = tl.load(base + c3, mask=c3 < vocab, other=float("-inf")).to(tl.float32) * scale
+            new_max = tl.maximum(run_max, tl.maximum(tl.maximum(y0, y1), tl.maximum(y2, y3)))
+            ref = tl.where(new_max == float("-inf"), 0.0, new_max)  # lanes with no valid column yet
+            sums = sums * tl.exp2(run_max - ref) + (
+                tl.exp2(y0 - ref) + tl.exp2(y1 - ref) + tl.exp2(y2 - ref) + tl.exp2(y3 - ref)
             )
             run_max = new_max
             if GREEDY:
-                s0, s1, s2, s3 = z0, z1, z2, z3
+                s0, s1, s2, s3 = y0, y1, y2, y3
             else:
-                # exponential race: argmax(z - log E), E = -log U ~ Exp(1); column c = start + off
-                # + j * QUARTER + lane takes output j of Philox counter (start + off) / 4 + lane
+                # exponential race: argmax(y - log2 E), E = -ln U ~ Exp(1); log2 E = log2(-log2 U)
+                # + log2(ln 2), a constant dropped from every key. Column c = start + off + j *
+                # QUARTER + lane takes output j of Philox counter (start + off) / 4 + lane.
                 u0, u1, u2, u3 = tl.rand4x(seed, (start + off) // 4 + lanes)
-                s0 = z0 - tl.log(-tl.log(u0))
-                s1 = z1 - tl.log(-tl.log(u1))
-                s2 = z2 - tl.log(-tl.log(u2))
-                s3 = z3 - tl.log(-tl.log(u3))
+                if FAST_LOG:  # the hardware's lg2.approx (see _libdevice)
+                    s0 = y0 - libdevice.fast_log2f(-libdevice.fast_log2f(u0))
+                    s1 = y1 - libdevice.fast_log2f(-libdevice.fast_log2f(u1))
+                    s2 = y2 - libdevice.fast_log2f(-libdevice.fast_log2f(u2))
+                    s3 = y3 - libdevice.fast_log2f(-libdevice.fast_log2f(u3))
+                else:
+                    s0 = y0 - tl.log2(-tl.log2(u0))
+                    s1 = y1 - tl.log2(-tl.log2(u1))
+                    s2 = y2 - tl.log2(-tl.log2(u2))
+                    s3 = y3 - tl.log2(-tl.log2(u3))
             # columns in increasing order, strict '>': each lane keeps its lowest index among ties
             take = s0 > best
-            best, best_idx, best_z = tl.where(take, s0, best), tl.where(take, c0, best_idx), tl.where(take, z0, best_z)
+            best, best_idx, best_y = tl.where(take, s0, best), tl.where(take, c0, best_idx), tl.where(take, y0, best_y)
             take = s1 > best
-            best, best_idx, best_z = tl.where(take, s1, best), tl.where(take, c1, best_idx), tl.where(take, z1, best_z)
+            best, best_idx, best_y = tl.where(take, s1, best), tl.where(take, c1, best_idx), tl.where(take, y1, best_y)
             take = s2 > best
-            best, best_idx, best_z = tl.where(take, s2, best), tl.where(take, c2, best_idx), tl.where(take, z2, best_z)
+            best, best_idx, best_y = tl.where(take, s2, best), tl.where(take, c2, best_idx), tl.where(take, y2, best_y)
             take = s3 > best
-            best, best_idx, best_z = tl.where(take, s3, best), tl.where(take, c3, best_idx), tl.where(take, z3, best_z)
+            best, best_idx, best_y = tl.where(take, s3, best), tl.where(take, c3, best_idx), tl.where(take, y3, best_y)
+        m = tl.max(run_max, 0)  # finite: every split holds a valid column
         top = tl.max(best, 0)
         idx = tl.min(tl.where(best == top, best_idx, 2147483647), 0)  # ties: the lowest column
-        z = tl.sum(tl.where(best_idx == idx, best_z, 0.0), 0)
+        y = tl.sum(tl.where(best_idx == idx, best_y, 0.0), 0)
         o = row * n_splits + split
-        tl.store(out_m + o, run_max)
-        tl.store(out_s + o, tl.sum(sums, 0))
+        tl.store(out_m + o, m)
+        tl.store(out_s + o, tl.sum(sums * tl.exp2(run_max - m), 0))
         tl.store(out_score + o, top)
         tl.store(out_idx + o, idx)
-        tl.store(out_z + o, z)
+        tl.store(out_z + o, y)
 
     @triton.jit
     def combine_kernel(out_m, out_s, out_score, out_idx, out_z, n_splits, tokens_ptr, logprobs_ptr, SPLITS: tl.constexpr):
@@ -281,35 +311,54 @@ def _triton_kernels() -> dict[str, Any] | None:
         m = tl.load(out_m + o, mask=valid, other=float("-inf"))
         s = tl.load(out_s + o, mask=valid, other=0.0)
         top = tl.max(m, 0)
-        total = tl.sum(tl.where(valid, s * tl.exp(m - top), 0.0), 0)
+        total = tl.sum(tl.where(valid, s * tl.exp2(m - top), 0.0), 0)
         score = tl.load(out_score + o, mask=valid, other=float("-inf"))
         arg = tl.argmax(score, 0)  # first maximum: ties go to the lowest vocabulary index
         idx = tl.sum(tl.where(k == arg, tl.load(out_idx + o, mask=valid, other=0), 0), 0)
-        z = tl.sum(tl.where(k == arg, tl.load(out_z + o, mask=valid, other=0.0), 0.0), 0)
+        y = tl.sum(tl.where(k == arg, tl.load(out_z + o, mask=valid, other=0.0), 0.0), 0)
         tl.store(tokens_ptr + row, idx.to(tl.int64))
-        tl.store(logprobs_ptr + row, z - top - tl.log(total))
+        tl.store(logprobs_ptr + row, (y - top - tl.log2(total)) * 0.6931471805599453)
 
     @triton.jit
     def decode_attention_kernel(
-        q_ptr, k_ptr, v_ptr, valid_ptr, out_ptr, length, scale,
-        q_sb, q_sh, q_sg, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, valid_sb, o_sb, o_sh, o_sg,
-        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+        q_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, out_ptr, scale,
+        q_sb, q_sh, q_sg, kn_sb, kn_sh, vn_sb, vn_sh, cs_sb, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, valid_sb, o_sb, o_sh, o_sg,
+        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, ROTARY: tl.constexpr,
     ):
-        # program (row, kv head): the G query heads of this kv head against cache slots [0, length)
-        # where valid; online softmax over BLOCK_N slots at a time (flash attention, one query token)
+        # program (row, kv head): rotary on the new token's G query heads and key, the new key and
+        # value written into the cache at `slot`, then flash attention (one query token, online
+        # softmax over BLOCK_N slots at a time) over the valid slots before `slot`, and last over
+        # the new token itself, from registers
         b = tl.program_id(0)
         h = tl.program_id(1)
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
-        q = tl.load(q_ptr + b * q_sb + h * q_sh + g[:, None] * q_sg + d[None, :], mask=g[:, None] < G, other=0.0)
+        rows = g[:, None] < G
+        q_rows = q_ptr + b * q_sb + h * q_sh + g[:, None] * q_sg
+        kn_row = kn_ptr + b * kn_sb + h * kn_sh
+        q = tl.load(q_rows + d[None, :], mask=rows, other=0.0).to(tl.float32)
+        kn = tl.load(kn_row + d).to(tl.float32)
+        if ROTARY:  # x cos + rotate_half(x) sin, rotate_half(x) = (-x[D/2:], x[:D/2])
+            partner = (d + D // 2) % D
+            sign = tl.where(d < D // 2, -1.0, 1.0)
+            c = tl.load(cos_ptr + b * cs_sb + d).to(tl.float32)
+            s = tl.load(sin_ptr + b * cs_sb + d).to(tl.float32) * sign
+            q = q * c[None, :] + tl.load(q_rows + partner[None, :], mask=rows, other=0.0).to(tl.float32) * s[None, :]
+            kn = kn * c + tl.load(kn_row + partner).to(tl.float32) * s
+        slot = tl.load(slot_ptr)
+        kn = kn.to(k_ptr.dtype.element_ty)
+        vn = tl.load(vn_ptr + b * vn_sb + h * vn_sh + d).to(v_ptr.dtype.element_ty)
+        k_base = k_ptr + b.to(tl.int64) * k_sb + h * k_sh
+        v_base = v_ptr + b.to(tl.int64) * v_sb + h * v_sh
+        tl.store(k_base + slot * k_ss + d, kn)
+        tl.store(v_base + slot * v_ss + d, vn)
+        q = q.to(k_ptr.dtype.element_ty)
         m = tl.full([GP], float("-inf"), tl.float32)
         den = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        k_base = k_ptr + b.to(tl.int64) * k_sb + h * k_sh
-        v_base = v_ptr + b.to(tl.int64) * v_sb + h * v_sh
-        for start in range(0, length, BLOCK_N):
+        for start in range(0, slot, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            inside = n < length
+            inside = n < slot
             valid = tl.load(valid_ptr + b * valid_sb + n, mask=inside, other=0) != 0
             k = tl.load(k_base + n[:, None] * k_ss + d[None, :], mask=inside[:, None], other=0.0)
             if IEEE:  # float32 caches: full-precision products (tl.dot would round to TF32)
@@ -328,33 +377,81 @@ def _triton_kernels() -> dict[str, Any] | None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
-        out = acc / den[:, None]  # every row holds at least its own token: den > 0
-        tl.store(out_ptr + b * o_sb + h * o_sh + g[:, None] * o_sg + d[None, :], out.to(out_ptr.dtype.element_ty), mask=g[:, None] < G)
+        # the new token: always attended (a row's first decode step may see nothing else)
+        own = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * scale
+        m_new = tl.maximum(m, own)
+        p = tl.exp(own - m_new)
+        alpha = tl.exp(m - m_new)
+        den = den * alpha + p
+        acc = acc * alpha[:, None] + p.to(vn.dtype).to(tl.float32)[:, None] * vn.to(tl.float32)[None, :]
+        out = acc / den[:, None]
+        tl.store(out_ptr + b * o_sb + h * o_sh + g[:, None] * o_sg + d[None, :], out.to(out_ptr.dtype.element_ty), mask=rows)
 
     _KERNELS = {"partial": partial_kernel, "combine": combine_kernel, "decode_attention": decode_attention_kernel}
     return _KERNELS
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_valid: torch.Tensor, length: int, scale: float) -> torch.Tensor:
-    """One-token GQA attention over a KV cache, as a Triton kernel: ``q (b kvh g d)`` (the ``g``
-    query heads of each kv head), caches ``(b kvh S d)``, ``key_valid (b S)`` bool; attends over
-    slots ``[0, length)`` where valid. Returns ``(b kvh g d)``.
+def _libdevice():
+    """libdevice, whose ``fast_log2f`` (the hardware's ``lg2.approx``, relative error about 2^-22)
+    the sampler uses; None under Triton's interpreter, which has no libdevice, or where it is
+    missing (then ``tl.log2``). ``tl.log`` compiles to libdevice's exact ``logf``, two dozen
+    instructions; the sampler takes two logs per vocabulary column per step, so this is most of
+    its arithmetic."""
+    import os
 
-    Equals ``F.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length], attn_mask)``
-    (float32 softmax, probabilities rounded to the cache dtype for the value product, as flash
-    attention does) in one kernel per layer: at decode sizes SDPA's kernels are latency-bound
-    (tiles sized for long queries), this one reads each row's cache once with ``g`` rows of work."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return None
+    try:
+        from triton.language.extra import libdevice
+
+        return libdevice if hasattr(libdevice, "fast_log2f") else None
+    except ImportError:
+        return None
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key_valid: torch.Tensor,
+    slot: torch.Tensor,
+    scale: float,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode token's GQA attention layer step, as one Triton kernel.
+
+    ``q (b kvh g d)`` (the ``g`` query heads of each kv head), ``k_new, v_new (b kvh d)`` the new
+    token's key and value, caches ``(b kvh S d)``, ``key_valid (b S)`` bool, ``slot (1)`` long
+    (a device tensor: CUDA graphs replay it). With ``cos, sin (b d)`` the rotary embedding is
+    applied to ``q`` and ``k_new`` first (transformers' ``rotate_half`` convention); without,
+    they are taken as rotated. Writes the new key and value into the caches at ``slot``, then
+    attends over the valid slots before ``slot`` and the new token. Returns ``(b kvh g d)``.
+
+    Equals writing the cache and ``F.scaled_dot_product_attention(q, k[:, :, :slot + 1],
+    v[:, :, :slot + 1], attn_mask)`` (float32 softmax, probabilities rounded to the cache dtype
+    for the value product, as flash attention does). At decode sizes SDPA's kernels are
+    latency-bound (tiles sized for long queries); this kernel reads each row's cache once with
+    ``g`` query rows, and folds the rotary and cache-write kernels of each layer into it."""
     kernels = _triton_kernels()
     b, kvh, g, d = q.shape
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+    if any(t.stride(-1) != 1 for t in (q, k_new, v_new, k_cache, v_cache)):
         raise ValueError("decode_attention needs the head dimension contiguous")
+    rotary = cos is not None
+    if rotary and (cos.stride(-1) != 1 or sin.stride() != cos.stride()):
+        raise ValueError("decode_attention needs cos and sin (b d) with the same strides, last one 1")
+    cos = cos if rotary else q
+    sin = sin if rotary else q
     out = torch.empty((b, kvh, g, d), dtype=q.dtype, device=q.device)
     args = (
-        q, k_cache, v_cache, key_valid, out, length, scale,
-        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q, k_new, v_new, cos, sin, k_cache, v_cache, key_valid, slot, out, scale,
+        q.stride(0), q.stride(1), q.stride(2), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), out.stride(0), out.stride(1), out.stride(2),
     )
-    shape = dict(G=g, GP=max(16, triton.next_power_of_2(g)), D=d, IEEE=q.dtype == torch.float32)
+    shape = dict(G=g, GP=max(16, triton.next_power_of_2(g)), D=d, IEEE=k_cache.dtype == torch.float32, ROTARY=rotary)
     kernels["decode_attention"][(b, kvh)](*args, **shape, BLOCK_N=64, num_warps=4)
     return out
 
@@ -384,14 +481,18 @@ def fused_sample(logits: torch.Tensor, sampler: _Sampler, step: torch.Tensor, te
     greedy = temperature == 0
     m, s, score, idx, z = sampler.partial
     args = (logits, logits.stride(0), vocab, sampler.split_size, sampler.seed, step, b,
-            1.0 if greedy else 1.0 / temperature, m, s, score, idx, z, sampler.n_splits)
-    kernels["partial"][(b, sampler.n_splits)](*args, GREEDY=greedy, QUARTER=_SAMPLER_BLOCK // 4, num_warps=8)
+            _LOG2E if greedy else _LOG2E / temperature, m, s, score, idx, z, sampler.n_splits)
+    kernels["partial"][(b, sampler.n_splits)](
+        *args, GREEDY=greedy, QUARTER=_SAMPLER_BLOCK // 4, FAST_LOG=libdevice is not None, num_warps=8
+    )
     kernels["combine"][(b,)](
         m, s, score, idx, z, sampler.n_splits, sampler.tokens, sampler.logprobs,
         SPLITS=max(2, triton.next_power_of_2(sampler.n_splits)), num_warps=1,
     )
     return sampler.tokens, sampler.logprobs
 
+
+_LOG2E = 1.4426950408889634
 
 #: vocabulary columns one sampler program reads per iteration (4 quarters)
 _SAMPLER_BLOCK = 2048
@@ -780,17 +881,23 @@ class TorchEngine:
         state = plan.state
         slot = (state.step - 1 + state.prompt_width).view(1)
         positions = state.prompt_lengths + state.step - 1  # (b)
-        cos, sin = state.cos[positions][:, None], state.sin[positions][:, None]  # (b 1 d)
+        cos, sin = state.cos[positions], state.sin[positions]  # (b d)
         state.key_valid.index_fill_(1, slot, True)
-        # one additive mask per step, shared by every layer (a boolean one is converted per call)
-        valid = state.key_valid[:, None, None, :length]  # (b 1 1 L)
-        mask = torch.zeros(valid.shape, dtype=self.dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
         b, kvh, d = state.tokens.shape[0], self.num_kv_heads, self.head_dim
         groups = self.num_heads // kvh
+        triton_attention = self.decode_attention == "triton"
+        if not triton_attention:
+            # one additive mask per step, shared by every layer (a boolean one is converted per call)
+            valid = state.key_valid[:, None, None, :length]  # (b 1 1 L)
+            mask = torch.zeros(valid.shape, dtype=self.dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
 
-        def attention(i, q):
-            if self.decode_attention == "triton":
-                out = decode_attention(q.reshape(b, kvh, groups, d), state.k_cache[i], state.v_cache[i], state.key_valid, length, d**-0.5)
+        def attention(i, q, k=None, v=None, rotary=False):
+            """``q (b H 1 d)``; with ``k, v`` the Triton kernel writes them into the cache itself."""
+            if triton_attention:
+                out = decode_attention(
+                    q.reshape(b, kvh, groups, d), k.reshape(b, kvh, d), v.reshape(b, kvh, d), state.k_cache[i],
+                    state.v_cache[i], state.key_valid, slot, d**-0.5, *((cos, sin) if rotary else ()),
+                )
                 return out.reshape(b, 1, kvh * groups * d)
             # GQA without repeating the cache: the query heads of one kv head become its query rows
             out = F.scaled_dot_product_attention(
@@ -803,22 +910,29 @@ class TorchEngine:
             return out.reshape(b, 1, kvh * groups * d)
 
         if plan.compiled and self._compiled is not None and FUSE_DECODE_EPILOGUES:
-            layer_in, layer_out, final_norm = self._compiled[2:]
+            layer_in, layer_out, final_norm, layer_qkv = self._compiled[2:]
             x, delta = F.embedding(state.tokens[:, None], self.weights["model.embed_tokens.weight"]), None
             for i, layer in enumerate(self.layers):
-                x, q = layer_in(layer, x, delta, cos, sin, self._shape, state.k_cache[i], state.v_cache[i], slot)
-                x, delta = layer_out(layer, x, attention(i, q), self._shape)
+                if triton_attention and FUSE_ROTARY_ATTENTION:
+                    x, q, k, v = layer_qkv(layer, x, delta, self._shape)
+                    attn = attention(i, q, k, v, rotary=True)
+                else:
+                    x, q = layer_in(layer, x, delta, cos[:, None], sin[:, None], self._shape, state.k_cache[i], state.v_cache[i], slot)
+                    attn = attention(i, q, state.k_cache[i][:, :, slot], state.v_cache[i][:, :, slot]) if triton_attention else attention(i, q)
+                x, delta = layer_out(layer, x, attn, self._shape)
             hidden = final_norm(x, delta, self.weights["model.norm.weight"], float(self.eps))
             tokens, logprobs = self._sample_logits(hidden[:, -1], params, generator, plan)
             self._record(state, tokens, logprobs, params)
             return
 
         def attend(i, q, k, v):
+            if triton_attention:
+                return attention(i, q, k, v)
             state.k_cache[i].index_copy_(2, slot, k)
             state.v_cache[i].index_copy_(2, slot, v)
             return attention(i, q)
 
-        hidden = self._forward(state.tokens[:, None], cos, sin, attend, compiled=plan.compiled)
+        hidden = self._forward(state.tokens[:, None], cos[:, None], sin[:, None], attend, compiled=plan.compiled)
         tokens, logprobs = self._sample_logits(hidden[:, -1], params, generator, plan)
         self._record(state, tokens, logprobs, params)
 

@@ -91,10 +91,33 @@ def _varlen_attention(module, query, key, value, attention_mask, dropout: float 
     if dropout or sliding_window is not None:
         raise RuntimeError(f"rlkit varlen attention supports no attention dropout ({dropout}) or sliding window ({sliding_window})")
     groups = query.shape[1] // key.shape[1]
-    if not (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen_fn() is not None):
+    if not _flash_ok(query):
         return _padded_rows_attention(query, key, value, cu, max_len, scaling, groups), None
-    options = _VARLEN_OPTIONS or frozenset()
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (n heads d)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (n heads d)
+    return _flash_segments(q, k, v, cu, cu, max_len, max_len, scaling, groups)[None], None
+
+
+def _varlen_options() -> frozenset:
+    global _VARLEN_OPTIONS
+    if _VARLEN_OPTIONS is None:
+        fn = _varlen_fn()
+        _VARLEN_OPTIONS = frozenset(inspect.signature(fn).parameters) if fn is not None else frozenset()
+    return _VARLEN_OPTIONS
+
+
+def _flash_ok(query: torch.Tensor) -> bool:
+    return (USE_VARLEN_ATTENTION and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+            and query.shape[-1] <= 256 and _varlen_fn() is not None)
+
+
+def _flash_segments(q, k, v, q_cu, k_cu, q_max: int, k_max: int, scaling, groups: int) -> torch.Tensor:
+    """Varlen flash attention of query segments against key segments: ``q (nq H d)``, ``k, v
+    (nk kvh d)`` -> ``(nq H d)``. Causal, aligned to the bottom right as flash attention aligns
+    it: query ``i`` of a segment with ``Lq`` queries and ``Lk`` keys sees keys ``j <= Lk - Lq + i``,
+    so equal lengths are plain causal attention and a response's queries against ``[prompt;
+    response]`` keys see the whole prompt and the response up to themselves."""
+    options = _varlen_options()
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     kw = {}
     if "window_size" in options:  # torch >= 2.11: causal is a (-1, 0) window
         kw["window_size"] = (-1, 0)
@@ -110,8 +133,7 @@ def _varlen_attention(module, query, key, value, attention_mask, dropout: float 
             kw["enable_gqa"] = True
         else:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = _varlen_fn()(q, k, v, cu, cu, max_len, max_len, **kw)
-    return out[None], None
+    return _varlen_fn()(q, k, v, q_cu.to(torch.int32), k_cu.to(torch.int32), q_max, k_max, **kw)
 
 
 def _segments_to_padded(t: torch.Tensor, cu: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -267,12 +289,21 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, dropout:
     q, k, v = query[0], key[0], value[0]  # (h n d)
     groups = q.shape[0] // k.shape[0]
     out = q.new_zeros(q.shape[1], q.shape[0], q.shape[2])  # (n H d)
+    p, r, kk = layout.prompt_index, layout.response_index, layout.key_index
+    if _flash_ok(query):
+        # flash's bottom-right causal alignment is exactly this layout's: a response's queries
+        # against [prompt; response] keys see the prompt and the response up to themselves
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (n h d)
+        out = out.index_copy(0, p, _flash_segments(q[p], k[p], v[p], layout.prompt_cu, layout.prompt_cu,
+                                                   layout.prompt_max, layout.prompt_max, scaling, groups))
+        if r.numel():
+            out = out.index_copy(0, r, _flash_segments(q[r], k[kk], v[kk], layout.response_cu, layout.key_cu,
+                                                       layout.response_max, layout.key_max, scaling, groups))
+        return out[None], None
     zero = torch.zeros(layout.prompt_cu.numel() - 1, dtype=torch.long, device=q.device)
-    p = layout.prompt_index
     out = out.index_copy(0, p, _segment_attention(q[:, p], k[:, p], v[:, p], layout.prompt_cu, layout.prompt_cu,
                                                   layout.prompt_max, layout.prompt_max, zero, scaling, groups))
-    if layout.response_index.numel():
-        r, kk = layout.response_index, layout.key_index
+    if r.numel():
         out = out.index_copy(0, r, _segment_attention(q[:, r], k[:, kk], v[:, kk], layout.response_cu, layout.key_cu,
                                                       layout.response_max, layout.key_max, layout.key_offset, scaling, groups))
     return out[None], None
@@ -289,6 +320,18 @@ SHARE_PROMPTS: bool | str = "auto"
 #: on CPU, packed sequences shorter than this keep transformers' dense block-diagonal mask (cheap
 #: at that size); longer ones use the padded-rows attention, O(b L^2) instead of O(n^2)
 CPU_DENSE_MASK_MAX_TOKENS = 512
+
+
+def shares_prompts(device: torch.device | str) -> bool:
+    """What :data:`SHARE_PROMPTS` means on ``device``: the flag itself unless it is "auto"; "auto"
+    shares on CPU and, where varlen flash attention exists, on CUDA (measured faster on both:
+    benchmarks/README.md)."""
+    if SHARE_PROMPTS != "auto":
+        return bool(SHARE_PROMPTS)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and USE_VARLEN_ATTENTION and _varlen_fn() is not None
 
 
 def _can_share(backbone: nn.Module) -> bool:
@@ -310,10 +353,7 @@ def _can_use_varlen(backbone: nn.Module, device: torch.device, tokens: int = 0) 
         return False
     if device.type == "cpu" and tokens <= CPU_DENSE_MASK_MAX_TOKENS:
         return False
-    global _VARLEN_OPTIONS
-    if _VARLEN_OPTIONS is None:
-        fn = _varlen_fn()
-        _VARLEN_OPTIONS = frozenset(inspect.signature(fn).parameters) if fn is not None else frozenset()
+    _varlen_options()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     # the dtype is checked per call: under FSDP mixed precision parameters are float32 but compute is bf16
     return head_dim <= 256 and getattr(config, "_attn_implementation", None) in PACKED_ATTENTION
@@ -512,7 +552,7 @@ def response_hidden(
             )
         share = SHARE_PROMPTS if share_prompts is None else share_prompts
         if share == "auto":
-            share = prompt_ids.device.type == "cpu"
+            share = shares_prompts(prompt_ids.device)
         if share and _can_share(backbone):
             view = shared_prefix(prompt_ids, prompt_mask, response_ids, response_mask)
             if view is not None:

@@ -18,21 +18,35 @@ from rlkit.models import response_logprobs
 
 @pytest.fixture
 def eager_backend_pieces(monkeypatch):
-    pieces = (te._pre_attention, te._post_attention, te._layer_in, te._layer_out, te._final_norm)
+    pieces = (te._pre_attention, te._post_attention, te._layer_in, te._layer_out, te._final_norm, te._layer_qkv)
     monkeypatch.setattr(te, "_COMPILED", tuple(torch.compile(fn, backend="eager", dynamic=False) for fn in pieces))
 
 
-@pytest.mark.parametrize("fused_epilogues", [True, False])
-def test_compiled_decode_equals_the_plain_step(model, prompts, eager_backend_pieces, monkeypatch, fused_epilogues):
+def _triton_runs() -> bool:
+    import os
+
+    return te._triton_kernels() is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+ATTENTION = [("sdpa", True, True), ("sdpa", False, True)]
+if _triton_runs():  # the Triton kernel applies rotary and writes the cache itself, or only attends
+    ATTENTION += [("triton", True, True), ("triton", True, False)]
+
+
+@pytest.mark.parametrize("attention,fused_epilogues,rotary_in_kernel", ATTENTION)
+def test_compiled_decode_equals_the_plain_step(model, prompts, eager_backend_pieces, monkeypatch, attention, fused_epilogues,
+                                               rotary_in_kernel):
     monkeypatch.setattr(te, "FUSE_DECODE_EPILOGUES", fused_epilogues)
+    monkeypatch.setattr(te, "FUSE_ROTARY_ATTENTION", rotary_in_kernel)
     params = SamplingParams(n=2, max_new_tokens=9, temperature=0, ignore_stop=True)
-    compiled = TorchEngine.from_model(model, compile_decode=True)
+    compiled = TorchEngine.from_model(model, compile_decode=True, decode_attention=attention)
     assert compiled._compiled is not None
-    plain = TorchEngine.from_model(model, compile_decode=False)
+    plain = TorchEngine.from_model(model, compile_decode=False, decode_attention="sdpa")
     fast, ref = compiled.generate(prompts, params), plain.generate(prompts, params)
     assert compiled.compile_error is None
     assert torch.equal(fast.response_ids, ref.response_ids)
-    torch.testing.assert_close(fast.logprobs, ref.logprobs, rtol=0, atol=1e-6)
+    # the restructured SDPA step sums in the same order; the Triton kernel's online softmax does not
+    torch.testing.assert_close(fast.logprobs, ref.logprobs, rtol=0, atol=1e-6 if attention == "sdpa" else 1e-5)
     # and the behaviour log-probs are the training forward's on the same tokens
     batch = make_batch([prompts[i] for i in fast.prompt_index.tolist()], [r.tolist() for r in fast.response_ids])
     with torch.no_grad():
@@ -44,7 +58,7 @@ def test_a_failing_compiled_step_falls_back_to_eager(model, prompts, monkeypatch
     def broken(*args, **kwargs):
         raise RuntimeError("compiler exploded")
 
-    monkeypatch.setattr(te, "_COMPILED", (broken,) * 5)
+    monkeypatch.setattr(te, "_COMPILED", (broken,) * 6)
     params = SamplingParams(n=1, max_new_tokens=6, temperature=0, ignore_stop=True)
     engine = TorchEngine.from_model(model, compile_decode=True)
     out = engine.generate(prompts, params)

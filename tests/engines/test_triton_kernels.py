@@ -87,25 +87,47 @@ def test_draws_do_not_depend_on_the_vocabulary_split_and_change_with_seed_and_st
     assert not torch.equal(a, _sample(logits, 1.0, seed=5, step=4)[0])
 
 
-@pytest.mark.parametrize("length", [1, 37, 64, 150])
-def test_decode_attention_equals_sdpa_with_the_cache_mask(length):
+def _rotate(x, cos, sin):
+    """transformers' rotary: x cos + rotate_half(x) sin, in float64"""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+@pytest.mark.parametrize("slot", [0, 36, 64, 149])
+def test_decode_attention_writes_the_cache_and_equals_sdpa_with_the_cache_mask(slot, rotary):
     torch.manual_seed(4)
     b, kvh, g, d, slots = 3, 2, 7, 64, 160
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
     q = torch.randn(b, kvh, g, d, device=DEVICE, dtype=dtype)
+    k_new = torch.randn(b, kvh, d, device=DEVICE, dtype=dtype)
+    v_new = torch.randn(b, kvh, d, device=DEVICE, dtype=dtype)
     k = torch.randn(b, kvh, slots, d, device=DEVICE, dtype=dtype)
     v = torch.randn(b, kvh, slots, d, device=DEVICE, dtype=dtype)
     valid = torch.rand(b, slots, device=DEVICE) < 0.7
-    valid[:, length - 1] = True  # the slot just written is always valid
-    valid[1, : length - 1] = False  # a row that sees only its newest token
-    out = te.decode_attention(q, k, v, valid, length, d**-0.5)
-    mask = torch.zeros(b, 1, 1, length, device=DEVICE, dtype=dtype).masked_fill_(~valid[:, None, None, :length], float("-inf"))
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), k[:, :, :length].double(), v[:, :, :length].double(), attn_mask=mask.double(), scale=d**-0.5
-    )
+    valid[:, slot] = True  # the slot being written is always valid
+    valid[1, :slot] = False  # a row that sees only its newest token
+    angle = torch.rand(b, d // 2, device=DEVICE) * 6
+    cos, sin = torch.cat([angle.cos()] * 2, -1).to(dtype), torch.cat([angle.sin()] * 2, -1).to(dtype)
+    k_ref, v_ref = k.clone(), v.clone()
+    rot = (cos, sin) if rotary else ()
+    out = te.decode_attention(q, k_new, v_new, k, v, valid, torch.tensor([slot], device=DEVICE), d**-0.5, *rot)
+    # reference: rotate in float64, write the cache, SDPA over [0, slot] with the mask
+    qr, kr = q.double(), k_new.double()
+    if rotary:
+        c, s = cos.double()[:, None, None], sin.double()[:, None, None]
+        qr, kr = _rotate(qr, c, s), _rotate(kr[:, :, None], c, s)[:, :, 0]
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(k[:, :, slot].double(), kr, rtol=tol, atol=tol)  # the kernel wrote the cache
+    k_ref[:, :, slot], v_ref[:, :, slot] = k[:, :, slot], v_new
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)  # the new value, and nothing else
+    n = slot + 1
+    mask = torch.zeros(b, 1, 1, n, device=DEVICE, dtype=torch.float64).masked_fill_(~valid[:, None, None, :n], float("-inf"))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        qr, k_ref[:, :, :n].double(), v_ref[:, :, :n].double(), attn_mask=mask, scale=d**-0.5
+    )
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
-    torch.testing.assert_close(out[1].double(), v[1, :, length - 1 : length].double().expand(kvh, g, d), rtol=tol, atol=tol)
+    torch.testing.assert_close(out[1].double(), v_new[1, :, None].double().expand(kvh, g, d), rtol=tol, atol=tol)
 
 
 def test_engine_with_triton_decode_attention_decodes_like_sdpa():

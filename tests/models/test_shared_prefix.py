@@ -94,3 +94,37 @@ def test_an_update_with_shared_prompts_equals_one_without(monkeypatch):
         params.append({k: v.detach().clone() for k, v in state.actor.named_parameters()})
     for k in params[0]:
         torch.testing.assert_close(params[1][k], params[0][k], rtol=1e-5, atol=1e-7, msg=k)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen flash attention needs CUDA")
+def test_flash_segments_align_causality_to_the_bottom_right_as_the_shared_layout_needs():
+    # on CUDA the shared layout runs through flash attention; its queries-against-[prompt;
+    # response] segments are right only if causality is aligned to the last key
+    torch.manual_seed(0)
+    heads, kvh, d = 4, 2, 64
+    q_len, k_len = torch.tensor([3, 5, 1, 6]), torch.tensor([7, 5, 4, 9])  # offsets 4, 0, 3, 3
+    q_cu, k_cu = L._cu(q_len).cuda(), L._cu(k_len).cuda()
+    q = torch.randn(heads, int(q_len.sum()), d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(kvh, int(k_len.sum()), d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(kvh, int(k_len.sum()), d, device="cuda", dtype=torch.bfloat16)
+    out = L._flash_segments(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), q_cu, k_cu,
+                            int(q_len.max()), int(k_len.max()), d**-0.5, heads // kvh)
+    ref = L._segment_attention(q.double(), k.double(), v.double(), q_cu, k_cu, int(q_len.max()), int(k_len.max()),
+                               (k_len - q_len).cuda(), d**-0.5, heads // kvh)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen flash attention needs CUDA")
+def test_shared_prompts_on_cuda_run_through_flash_and_give_the_unshared_logprobs(monkeypatch):
+    model = _model().cuda().to(torch.bfloat16)
+    calls = []
+    flash = L._flash_segments
+    monkeypatch.setattr(L, "_flash_segments", lambda *a: calls.append(1) or flash(*a))
+    args = [t.cuda() for t in _args()]
+    out = {}
+    for share in (False, True):
+        monkeypatch.setattr(L, "SHARE_PROMPTS", share)
+        calls.clear()
+        out[share] = response_logprobs(model, *args)
+        assert calls  # both layouts ran through flash attention
+    torch.testing.assert_close(out[True], out[False], rtol=0, atol=3e-2)
