@@ -53,10 +53,27 @@ def compile_layers(model: nn.Module, *, dynamic: bool = True, backend: str | Cal
             f"compile_layers: found no decoder blocks in {type(model).__name__} (looked for an nn.ModuleList named "
             "'layers', 'h' or 'blocks'); compile the model yourself with torch.compile or pass compile=False"
         )
+    _raise_recompile_limit(RECOMPILE_LIMIT)
     for block in blocks:
         if getattr(block, "_compiled_call_impl", None) is None:
             block.compile(dynamic=dynamic, backend=backend, **options)
     return len(blocks)
+
+
+#: compiled variants allowed per code object. All blocks share one (``forward`` of the block
+#: class), and each combination of model (actor / reference: parameters' requires_grad differs),
+#: grad mode (update / log-prob pass) and attention layout (varlen, shared prompts, padded) a
+#: block meets is one variant. Dynamo's default of 8 is reached by a GRPO run that also checks
+#: or evaluates, and past it the blocks silently run eagerly: measured, the update went from
+#: 0.57 to 0.76 s per step (benchmarks/README.md).
+RECOMPILE_LIMIT = 64
+
+
+def _raise_recompile_limit(limit: int) -> None:
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if getattr(config, name) < limit:
+        setattr(config, name, limit)
 
 
 def uncompile_layers(model: nn.Module) -> None:

@@ -80,3 +80,42 @@ def test_init_compiles_on_auto_only_where_it_pays(monkeypatch):
 def test_compile_layers_names_the_problem_for_a_model_without_blocks():
     with pytest.raises(ValueError, match="found no decoder blocks"):
         compile_layers(torch.nn.Linear(2, 2))
+
+
+def test_blocks_stay_compiled_through_the_variants_a_grpo_run_meets(monkeypatch):
+    # actor and reference (requires_grad differs), update and log-prob passes (grad mode), shared
+    # and unshared prompts, packed and padded layouts: each is one compiled variant of the block
+    # class's one forward; past dynamo's default limit of 8 the blocks would silently run eagerly
+    from rlkit.models import logprobs as L
+
+    torch._dynamo.reset()
+    runs = []
+
+    def backend(gm, example_inputs):
+        def run(*args):
+            runs.append(1)
+            return gm.forward(*args)
+
+        return run
+
+    actor, ref = _model(), _model().requires_grad_(False)
+    for m in (actor, ref):
+        compile_layers(m, backend=backend)
+    prompts = [[5, 6, 7]] * 2 + [[8, 9]] * 2
+    b = make_batch(prompts, [[5, 5], [7], [8, 9, 9], [4]], pad_token_id=0)
+    args = [b[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+    variants = 0
+    for model in (actor, ref):
+        for grad in (True, False):
+            for share in (True, False):
+                for layout in ("packed", "padded"):
+                    if model is ref and grad:
+                        continue
+                    monkeypatch.setattr(L, "SHARE_PROMPTS", share)
+                    before = len(runs)
+                    with torch.set_grad_enabled(grad):
+                        response_logprobs(model, *args, layout=layout)
+                    assert len(runs) > before, f"variant {variants} ran eagerly"
+                    variants += 1
+    assert variants > 8
+    torch._dynamo.reset()
