@@ -410,7 +410,7 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
     sharing = L.shares_prompts(device)
     configs.append((f"prompts {'not ' if sharing else ''}shared in the training forward", {}, "share"))
     if device.type == "cuda":
-        configs.append(("update micro-batch 64, log-prob passes 128 rows", dict(micro_batch=64, logprob_micro_batch=128), None))
+        configs.append(("update in one piece (micro-batch 256)", dict(micro_batch=256), None))
         if is_compiled(model):
             configs.append(("eager model (compile=False)", {}, "eager"))
     for name, changes, mode in configs:

@@ -191,7 +191,9 @@ def batch_from_generation(prompts: Prompts, out, tokenizer, *, policy_version: i
     for name, values in prompts.columns.items():
         set_column(batch, name, [values[i] for i in rows])
     if decode and tokenizer is not None:
-        texts = tokenizer.batch_decode([r[m].tolist() for r, m in zip(batch["response_ids"], batch["response_mask"])], skip_special_tokens=True)
+        from rlkit.models.tokenizers import decode_batch
+
+        texts = decode_batch(tokenizer, [r[m].tolist() for r, m in zip(batch["response_ids"], batch["response_mask"])])
         set_column(batch, "response_text", texts)
     return batch
 

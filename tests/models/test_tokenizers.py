@@ -73,3 +73,17 @@ def test_load_tokenizer_without_pad(tmp_path):
         load_tokenizer(path)
     tok = load_tokenizer(path, pad_to_eos=True)
     assert tok.pad_token == "<eos>" and tok.pad_token_id == tok.eos_token_id == 2
+
+
+def test_decode_batch_gives_transformers_batch_decode_text():
+    from rlkit.models.tokenizers import decode_batch
+
+    tok = char_tokenizer("0123456789+= .,'")
+    seqs = [tok.encode("12 + 3 = 15 ."), [1] + tok.encode("7 ,") + [2, 0, 0], [], tok.encode("it's")]
+    assert decode_batch(tok, seqs) == tok.batch_decode(seqs, skip_special_tokens=True)
+    assert decode_batch(tok, seqs)[1] == "7 ,"  # special tokens dropped
+    # with transformers' space clean-up on (" ." -> "."), the fast path would differ: it is not taken
+    tok.clean_up_tokenization_spaces = True
+    cleaned = tok.batch_decode(seqs, skip_special_tokens=True)
+    assert cleaned[0] != tok._tokenizer.decode(seqs[0], skip_special_tokens=True)
+    assert decode_batch(tok, seqs) == cleaned
