@@ -28,7 +28,9 @@ class Workload:
     max_new_tokens: int
     ignore_eos: bool
     beta: float  # KL coefficient: > 0 means a reference log-prob pass
-    old_logprobs: bool  # recompute old-policy log-probs before the update (verl's recompute)
+    # old-policy log-probs: True a separate pass before the update (verl's recompute), "current"
+    # the update's own forward detached (TRL's path for one iteration), False the rollout's
+    old_logprobs: bool | str
     micro_batch: int  # update micro-batch rows (gradient accumulation over the rest)
     logprob_micro_batch: int | None  # rows per forward-only log-prob pass (None: all at once)
     dtype: torch.dtype

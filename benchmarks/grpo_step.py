@@ -101,7 +101,7 @@ def grpo_step(state, prompts, wl, device):
             batch = rollout(state, prompts, n=wl.n, max_new_tokens=wl.max_new_tokens, ignore_stop=wl.ignore_eos)
         with clock("score_advantage"):
             batch = advantage(score(batch, reward), "grpo")
-        if wl.old_logprobs:
+        if wl.old_logprobs is True:
             with clock("old_logprobs"):
                 batch = compute_old_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
             mask = batch["response_mask"].float()
@@ -113,7 +113,7 @@ def grpo_step(state, prompts, wl, device):
                 batch = compute_ref_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
         with clock("update"):
             state, metrics = update(state, batch, loss="ppo_clip", kl=("low_var_kl", wl.beta) if wl.beta else None,
-                                    micro_batch_size=wl.micro_batch)
+                                    micro_batch_size=wl.micro_batch, old="current" if wl.old_logprobs == "current" else "batch")
     tokens = batch["prompt_mask"].sum() + batch["response_mask"].sum()
     metrics = {**rollout_metrics(batch), **metrics, **extra, "tokens_total": float(tokens),
                "tokens_generated": float(batch["response_mask"].sum())}
@@ -406,7 +406,10 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
 
     from rlkit.models import logprobs as L
 
-    configs = [("old = rollout log-probs (no separate old pass)", dict(old_logprobs=False), None)]
+    configs = [
+        ("old = the update's own forward, detached (TRL's path for one iteration)", dict(old_logprobs="current"), None),
+        ("old = rollout log-probs (no separate old pass)", dict(old_logprobs=False), None),
+    ]
     sharing = L.shares_prompts(device)
     configs.append((f"prompts {'not ' if sharing else ''}shared in the training forward", {}, "share"))
     if device.type == "cuda":

@@ -109,6 +109,7 @@ def update(
     critic_coef: float = 1.0,
     max_nonfinite_steps: int = 3,
     max_logprob_gap: float | None = 0.5,
+    old: str = "batch",
 ) -> tuple[TrainState, dict[str, float]]:
     """One update of the actor (and the critic if the state has one and the batch has ``returns``).
 
@@ -126,6 +127,12 @@ def update(
         max_grad_norm: gradient clipping (None: off).
         max_logprob_gap: warn when the mean |train - rollout| log-prob gap exceeds it (a
             stale engine, a wrong temperature, a numerics mismatch); None: never.
+        old: where the old-policy log-probs of the ratio come from. ``"batch"``:
+            ``batch["old_logprobs"]`` (from :func:`rlkit.transforms.compute_old_logprobs`), else
+            the rollout's ``batch["logprobs"]``. ``"current"``: this update's own forward,
+            detached. That is exact only while the policy has not moved, i.e. for an update of
+            one optimizer step (``epochs=1``, one mini-batch); then it equals a separate
+            old-policy pass and saves it (TRL's GRPOTrainer does the same for one iteration).
 
     Returns ``(new_state, metrics)`` with loss parts, clip fraction, approx KL, entropy, grad
     norm, learning rate and the train-vs-rollout log-prob gap (``actor/logprob_gap``).
@@ -138,7 +145,17 @@ def update(
     validate(batch, require=("prompt_ids", "prompt_mask", "response_ids", "response_mask", "advantages"))
     keys = set(batch.keys())
     old_key = "old_logprobs" if "old_logprobs" in keys else "logprobs"
-    if old_key not in keys:
+    if old not in ("batch", "current"):
+        raise ValueError(f"old must be 'batch' or 'current', got {old!r}")
+    if old == "current":
+        b0 = batch.batch_size[0]
+        if epochs != 1 or (mini_batch_size is not None and mini_batch_size < b0):
+            raise ValueError(
+                f"old='current' takes the old-policy log-probs from this update's own forward, which is exact only "
+                f"for one optimizer step; this update takes {epochs} epoch(s) of mini-batches of {mini_batch_size} "
+                f"from {b0} rows. Use epochs=1 and mini_batch_size=None, or old='batch' with compute_old_logprobs"
+            )
+    elif old_key not in keys:
         raise BatchError("batch has neither 'old_logprobs' nor 'logprobs'; batches from rk.rollout carry logprobs, or call rk.transforms.compute_old_logprobs(state, batch)")
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
@@ -224,7 +241,8 @@ def update(
                 call_kw = {**agg_kw, **norm}
                 if loss_accepts is not None:
                     call_kw = {k: v for k, v in call_kw.items() if k in loss_accepts}
-                pg_loss, pg_metrics = loss_fn(logprobs, mb[old_key], mb["advantages"], mask, **call_kw, **loss_kw, **extra)
+                old_lp = logprobs.detach() if old == "current" else mb[old_key]
+                pg_loss, pg_metrics = loss_fn(logprobs, old_lp, mb["advantages"], mask, **call_kw, **loss_kw, **extra)
                 total = pg_loss
                 record("actor/pg_loss", pg_loss, 1.0)
                 for k, v in pg_metrics.items():

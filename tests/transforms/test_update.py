@@ -118,3 +118,37 @@ def test_large_train_vs_rollout_gap_warns(tiny_model, char_tok):
     state = rk.init(tiny_model, rk.optim.adamw(lr=1e-3), tokenizer=char_tok)
     with pytest.warns(RuntimeWarning, match="differ from the rollout's by 2"):
         rk.update(state, batch)
+
+
+def test_old_current_equals_a_separate_old_policy_pass_for_one_optimizer_step(tiny_model, char_tok):
+    from rlkit.transforms.forward import compute_old_logprobs
+
+    batch = _batch(tiny_model)
+    out = {}
+    for old in ("batch", "current"):
+        model = copy.deepcopy(tiny_model)
+        state = rk.init(model, rk.optim.adamw(lr=1e-2, eps=1.0, weight_decay=0.0), tokenizer=char_tok)
+        b = compute_old_logprobs(state, batch) if old == "batch" else batch
+        state, metrics = rk.update(state, b, old=old, micro_batch_size=2, loss_kw={"clip_ratio": 0.1})
+        out[old] = (_params(state.actor), metrics)
+    (p_sep, m_sep), (p_cur, m_cur) = out["batch"], out["current"]
+    for k in p_sep:
+        torch.testing.assert_close(p_cur[k], p_sep[k], atol=1e-7, rtol=1e-6)
+    assert m_cur["actor/pg_loss"] == pytest.approx(m_sep["actor/pg_loss"], abs=1e-6)
+    assert m_cur["actor/clipfrac"] == m_sep["actor/clipfrac"] == 0.0
+    # against the rollout's (perturbed) log-probs the same update differs: the test can tell
+    model = copy.deepcopy(tiny_model)
+    state = rk.init(model, rk.optim.adamw(lr=1e-2, eps=1.0, weight_decay=0.0), tokenizer=char_tok)
+    _, m_roll = rk.update(state, batch, micro_batch_size=2, loss_kw={"clip_ratio": 0.1})
+    assert m_roll["actor/clipfrac"] > 0.0
+
+
+def test_old_current_refuses_updates_of_several_optimizer_steps(tiny_model, char_tok):
+    batch = _batch(tiny_model)
+    for kw in (dict(epochs=2), dict(mini_batch_size=4)):
+        state = rk.init(copy.deepcopy(tiny_model), rk.optim.adamw(lr=1e-2), tokenizer=char_tok)
+        with pytest.raises(ValueError, match="one optimizer step"):
+            rk.update(state, batch, old="current", **kw)
+    state = rk.init(copy.deepcopy(tiny_model), rk.optim.adamw(lr=1e-2), tokenizer=char_tok)
+    with pytest.raises(ValueError, match="'batch' or 'current'"):
+        rk.update(state, batch, old="rollout")
