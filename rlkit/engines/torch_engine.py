@@ -28,7 +28,13 @@ On CUDA (all three are on by default there and off on CPU; each can be turned of
 - ``fused_sampling``: temperature/greedy sampling (no top-k/top-p) as two Triton kernels that
   read the bf16 logits once: a split-vocabulary pass computing the running log-sum-exp and the
   Gumbel-max argmax with counter-based (Philox) noise keyed by ``(seed, step, row, column)``,
-  and a combine pass per row. The seed is drawn from the caller's generator once per call.
+  in base 2 with the hardware's ``lg2``/``ex2`` and all state per lane, and a combine pass per
+  row. The seed is drawn from the caller's generator once per call.
+
+Decode attention on CUDA (``decode_attention="triton"``, the default there): one Triton kernel
+per layer applies rotary to the new token's query and key, writes its key and value into the
+cache and attends over the valid cache slots (:func:`decode_attention`); the compiled layer
+entry before it is the RMSNorm and the q|k|v product only.
 
 GQA decode attention never repeats key/value heads: the ``g = heads / kv_heads`` query heads of
 one kv head are laid out as ``g`` query rows against that head's cache, ``(b kvh g d)``.

@@ -30,7 +30,9 @@ mask's ``O(n^2)``); shorter ones keep transformers' path.
 Shared prompts (:class:`SharedPrefix`, ``SHARE_PROMPTS``): GRPO-style batches hold n responses
 per prompt in consecutive rows; the packed layout can keep one copy of each prompt, with every
 response attending to it, so the prompt's layers run once per group instead of n times. Same
-log-probs, values and gradients; on by default on CPU, off on CUDA until it has a flash kernel.
+log-probs, values and gradients; on by default. On CUDA both attention calls of the layout are
+varlen flash attention: prompts causal among themselves, and each response's queries against
+``[prompt; response]`` keys, which flash's bottom-right-aligned causal mask gets exactly right.
 
 ``USE_VARLEN_ATTENTION`` / ``USE_FUSED_LOGPROBS`` (module flags) turn either off.
 
@@ -312,8 +314,8 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, dropout:
 _SHARED_NAME = "rlkit_shared_prefix"
 
 #: compute each prompt once per group of consecutive rows sharing it, in the training forward:
-#: "auto" does it on CPU (measured: benchmarks/README.md); on CUDA the flash path stays until the
-#: shared layout has a flash kernel and GPU measurements. True / False force it.
+#: "auto" does it on CPU and, with varlen flash attention, on CUDA (measured faster on both:
+#: benchmarks/README.md; :func:`shares_prompts`). True / False force it.
 SHARE_PROMPTS: bool | str = "auto"
 
 
