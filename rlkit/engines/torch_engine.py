@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlkit._triton import lazy_kernels
 from rlkit.engines.base import Generation, SamplingParams, pick_pad_token_id
 
 #: model_type -> name of its rotary-embedding class in ``transformers.models.<type>.modeling_<type>``
@@ -218,20 +219,10 @@ def _compiled_layer_pieces() -> tuple:
 # ---------------------------------------------------------------------------------------------
 # Fused sampling kernels (Triton, CUDA only; built on first use so CPU never imports Triton)
 
-_KERNELS: dict[str, Any] | None = None
-
-
-def _triton_kernels() -> dict[str, Any] | None:
-    """The Triton kernels (sampler partial/combine, decode attention), or None when Triton is not importable."""
-    global _KERNELS, triton, tl, libdevice
-    if _KERNELS is not None:
-        return _KERNELS or None
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        _KERNELS = {}
-        return None
+@lazy_kernels
+def _triton_kernels() -> dict[str, Any]:
+    """The Triton kernels (sampler partial/combine, decode attention); None when Triton is not importable."""
+    global libdevice
     libdevice = _libdevice()
 
     @triton.jit
@@ -393,8 +384,7 @@ def _triton_kernels() -> dict[str, Any] | None:
         out = acc / den[:, None]
         tl.store(out_ptr + b * o_sb + h * o_sh + g[:, None] * o_sg + d[None, :], out.to(out_ptr.dtype.element_ty), mask=rows)
 
-    _KERNELS = {"partial": partial_kernel, "combine": combine_kernel, "decode_attention": decode_attention_kernel}
-    return _KERNELS
+    return {"partial": partial_kernel, "combine": combine_kernel, "decode_attention": decode_attention_kernel}
 
 
 def _libdevice():

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from rlkit._triton import lazy_kernels
 from rlkit.batch import packed
 
 LAYOUTS = ("packed", "padded")
@@ -378,20 +379,9 @@ def _attention_implementation(config, name: str):
 # ---------------------------------------------------------------------------------------------
 # fused log-softmax / entropy over the vocabulary (Triton, CUDA)
 
-_KERNELS: dict | None = None
-
-
-def _logprob_kernels() -> dict | None:
-    """``{"forward", "backward"}`` Triton kernels, or None when Triton is not importable."""
-    global _KERNELS, triton, tl
-    if _KERNELS is not None:
-        return _KERNELS or None
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        _KERNELS = {}
-        return None
+@lazy_kernels
+def _logprob_kernels() -> dict:
+    """``{"forward", "backward"}`` Triton kernels; None when Triton is not importable."""
 
     @triton.jit
     def forward_kernel(logits_ptr, row_stride, vocab, targets_ptr, inv_temp, lp_ptr, ent_ptr, lse_ptr, BLOCK: tl.constexpr):
@@ -444,8 +434,7 @@ def _logprob_kernels() -> dict | None:
                 g = g - g_ent * p * (z - mean_z)
             tl.store(out + cols, (g * inv_temp).to(grad_ptr.dtype.element_ty), mask=valid)
 
-    _KERNELS = {"forward": forward_kernel, "backward": backward_kernel}
-    return _KERNELS
+    return {"forward": forward_kernel, "backward": backward_kernel}
 
 
 class _FusedTokenLogprobs(torch.autograd.Function):
