@@ -85,5 +85,5 @@ def test_decode_batch_gives_transformers_batch_decode_text():
     # with transformers' space clean-up on (" ." -> "."), the fast path would differ: it is not taken
     tok.clean_up_tokenization_spaces = True
     cleaned = tok.batch_decode(seqs, skip_special_tokens=True)
-    assert cleaned[0] != tok._tokenizer.decode(seqs[0], skip_special_tokens=True)
+    assert cleaned[0] != tok._tokenizer.decode(seqs[0], skip_special_tokens=True)  # what the fast path gives
     assert decode_batch(tok, seqs) == cleaned
