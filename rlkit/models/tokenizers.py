@@ -96,21 +96,32 @@ def load_tokenizer(path: str | os.PathLike, *, pad_to_eos: bool = False) -> PreT
     return tokenizer
 
 
+#: from this many tokens on, :func:`decode_batch` uses the ``tokenizers`` library's parallel
+#: ``decode_batch`` (a Rayon thread pool); below it, one Rust ``decode`` per sequence
+PARALLEL_DECODE_TOKENS = 16384
+
+
 def decode_batch(tokenizer, sequences: list[list[int]]) -> list[str]:
     """``tokenizer.batch_decode(sequences, skip_special_tokens=True)``, with less overhead for
     fast tokenizers.
 
     transformers decodes a batch one sequence at a time through several Python layers; this
-    calls the ``tokenizers`` library's Rust ``decode`` directly per sequence (measured on 256
-    responses of 256 tokens, 2 cores: 20-25 ms -> 15-20 ms). Not its ``decode_batch``: that runs
-    a Rayon thread pool, which on a small machine competes with torch's threads for no gain
-    (15-16 ms there). Used when it gives the same text: a fast tokenizer with no
-    ``clean_up_tokenization_spaces`` post-processing; otherwise the transformers call."""
+    calls the ``tokenizers`` library's Rust decoder directly. Large batches
+    (:data:`PARALLEL_DECODE_TOKENS`) go through its parallel ``decode_batch``, small ones through
+    ``decode`` per sequence: the parallel one starts a Rayon thread pool that, on a small machine,
+    competes with torch's threads for no gain. Measured on 256 responses of 256 tokens on 2
+    cores: transformers 20-25 ms, per sequence 15-20 ms, ``decode_batch`` 15-16 ms; on the GPU
+    benchmark's 16-core host the rollout's overhead outside the engine was 27 ms with
+    ``decode_batch`` and 40 ms per sequence (different runs). Used when it gives the same text:
+    a fast tokenizer with no ``clean_up_tokenization_spaces`` post-processing; otherwise the
+    transformers call."""
     backend = getattr(tokenizer, "_tokenizer", None)
-    if (
+    if not (
         isinstance(tokenizer, PreTrainedTokenizerFast)
-        and hasattr(backend, "decode")
+        and hasattr(backend, "decode_batch")
         and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
     ):
-        return [backend.decode(ids, skip_special_tokens=True) for ids in sequences]
-    return tokenizer.batch_decode(sequences, skip_special_tokens=True)
+        return tokenizer.batch_decode(sequences, skip_special_tokens=True)
+    if sum(len(ids) for ids in sequences) >= PARALLEL_DECODE_TOKENS:
+        return backend.decode_batch(sequences, skip_special_tokens=True)
+    return [backend.decode(ids, skip_special_tokens=True) for ids in sequences]

@@ -75,9 +75,12 @@ def test_load_tokenizer_without_pad(tmp_path):
     assert tok.pad_token == "<eos>" and tok.pad_token_id == tok.eos_token_id == 2
 
 
-def test_decode_batch_gives_transformers_batch_decode_text():
+@pytest.mark.parametrize("parallel_from", [10**9, 1])  # per-sequence decode / the library's decode_batch
+def test_decode_batch_gives_transformers_batch_decode_text(monkeypatch, parallel_from):
+    from rlkit.models import tokenizers as T
     from rlkit.models.tokenizers import decode_batch
 
+    monkeypatch.setattr(T, "PARALLEL_DECODE_TOKENS", parallel_from)
     tok = char_tokenizer("0123456789+= .,'")
     seqs = [tok.encode("12 + 3 = 15 ."), [1] + tok.encode("7 ,") + [2, 0, 0], [], tok.encode("it's")]
     assert decode_batch(tok, seqs) == tok.batch_decode(seqs, skip_special_tokens=True)
