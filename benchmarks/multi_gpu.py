@@ -15,7 +15,9 @@ reference log-probs, beta 0.04, one update epoch; ``cpu``: the small float32 CPU
 Scenarios (each catches its own exceptions and records ``{"error": ...}``):
 
 - ``colocated``: actor FSDP(N) + rollout DP(N) on the same ranks; the global batch is fixed
-  (strong scaling: each rank generates 1/N of the prompts and trains on 1/N of the rows). One
+  (strong scaling: each rank generates 1/N of the prompts and trains on 1/N of the rows), or
+  with ``--weak`` N times the workload's (weak scaling: the prompts repeated N times, each rank
+  does one GPU's standard work; compare throughput, not step time). One
   GRPO step, median of ``--steps`` after ``--warmup``; phase times; responses/s and generated
   tokens/s of the whole step. Under ``--nproc-per-node 1`` lowering is the identity: that run is
   the 1-GPU baseline for ``--compare``.
@@ -130,20 +132,21 @@ def _free(device: torch.device) -> None:
 # --------------------------------------------------------------------------- the GRPO step
 
 
-def grpo_step_fn(wl, device, *, beta: float, old_logprobs_here: bool, train_ranks: int):
+def grpo_step_fn(wl, device, *, beta: float, old_logprobs_here: bool, train_ranks: int, rows: int | None = None):
     """A Pipeline step ``f(state, prompts, reward) -> (state, metrics)``: rollout -> score ->
     advantage("grpo") -> [old log-probs] -> [ref log-probs] -> update("ppo_clip", kl=beta),
     with this rank's phase times in ``metrics["time/<phase>"]``.
 
     ``update``'s micro-batch counts this rank's rows (verl's ``*_per_gpu``): the workload's
-    micro-batch, capped at the ``rows / train_ranks`` rows each training rank holds."""
+    micro-batch, capped at the ``rows / train_ranks`` rows each training rank holds (``rows``:
+    the global batch, the workload's by default)."""
     from rlkit.transforms.advantage import advantage
     from rlkit.transforms.forward import compute_old_logprobs, compute_ref_logprobs
     from rlkit.transforms.rollout import rollout, rollout_metrics
     from rlkit.transforms.score import score
     from rlkit.transforms.update import update
 
-    micro = min(wl.micro_batch, wl.rows // train_ranks)
+    micro = min(wl.micro_batch, (rows or wl.rows) // train_ranks)
 
     def step(state, prompts, reward_fn):
         clock = Clock(device)
@@ -189,15 +192,16 @@ def _run_steps(plan, state, prompts, device, steps: int, warmup: int):
 
 def _throughput(wl, times: list[float], metrics: list[dict]) -> dict:
     step_s = statistics.median(times)
+    rows = int(statistics.median(m.get("rows", wl.rows) for m in metrics))
     tokens = statistics.median(m["tokens_generated"] for m in metrics)
     phases = _median_dict([{k[5:]: v for k, v in m.items() if k.startswith("time/")} for m in metrics])
     out = {
         "step_seconds_median": step_s,
         "step_seconds_all": times,
         "phase_seconds_median": phases,
-        "rows": wl.rows,
+        "rows": rows,
         "tokens_generated": tokens,
-        "responses_per_s": wl.rows / step_s,
+        "responses_per_s": rows / step_s,
         "generated_tokens_per_s": tokens / step_s,
     }
     if "rollout" in phases:
@@ -215,12 +219,13 @@ def _throughput(wl, times: list[float], metrics: list[dict]) -> dict:
     return out
 
 
-def _setup(args, device, *, ref: bool):
-    """``(workload, model, state, prompts)``: a fresh random model (same seed on every rank) and its state."""
+def _setup(args, device, *, ref: bool, repeat: int = 1):
+    """``(workload, model, state, prompts)``: a fresh random model (same seed on every rank) and its
+    state; the workload's prompts ``repeat`` times over."""
     from rlkit.data import as_prompts
 
     wl, model, tok, texts = build(args.preset, device)
-    return wl, model, _init(args, model, tok, ref=ref), as_prompts(texts, tok)
+    return wl, model, _init(args, model, tok, ref=ref), as_prompts(list(texts) * repeat, tok)
 
 
 def _init(args, model, tok, *, ref: bool = False):
@@ -242,9 +247,10 @@ def _compile_mode(args) -> bool | str:
 def scenario_colocated(args, device) -> dict:
     from rlkit.pipeline import Pipeline
 
-    wl, model, state, prompts = _setup(args, device, ref=bool(PRESETS[args.preset].beta))
+    scale = _world_size() if args.weak else 1
+    wl, model, state, prompts = _setup(args, device, ref=bool(PRESETS[args.preset].beta), repeat=scale)
     n_params = param_count(model)
-    step = grpo_step_fn(wl, device, beta=wl.beta, old_logprobs_here=True, train_ranks=_world_size())
+    step = grpo_step_fn(wl, device, beta=wl.beta, old_logprobs_here=True, train_ranks=_world_size(), rows=wl.rows * scale)
     plan = Pipeline(step, reward).lower()  # all ranks: FSDP(N) actor/ref + DP(N) rollout; N=1: identity
     state = plan.shard(state)
     if device.type == "cuda":
@@ -252,6 +258,7 @@ def scenario_colocated(args, device) -> dict:
     state, times, metrics = _run_steps(plan, state, prompts, device, args.steps, args.warmup)
     out = {"layout": f"actor FSDP({_world_size()}) + rollout DP({_world_size()}), same ranks"
            if _world_size() > 1 else "one process (lowering is the identity)",
+           "scaling": "weak" if args.weak else "strong",
            "params": n_params, "beta": wl.beta, "old_logprobs": wl.old_logprobs, **_throughput(wl, times, metrics)}
     if device.type == "cuda":
         out["peak_memory_gb_by_rank"] = _gather(torch.cuda.max_memory_allocated(device) / 1e9)
@@ -547,26 +554,31 @@ def compare(one_path: str, many_path: str) -> dict:
     if "step_seconds_median" not in a or "step_seconds_median" not in b:
         raise SystemExit(f"--compare needs the colocated figures in both files; got {sorted(a)} and {sorted(b)}")
     n1, n2 = one["world_size"], many["world_size"]
-    speedup = a["step_seconds_median"] / b["step_seconds_median"]
+    # throughput (rows per second) is the speed-up under both strong scaling (equal rows: the
+    # step-time ratio) and weak scaling (N times the rows in each step)
+    ra, rb = a["rows"], b["rows"]
+    speedup = (rb / b["step_seconds_median"]) / (ra / a["step_seconds_median"])
     rows = [("", f"N={n1}", f"N={n2}", "speed-up"),
-            ("step time (s)", f"{a['step_seconds_median']:.3f}", f"{b['step_seconds_median']:.3f}", f"{speedup:.2f}x"),
+            ("responses per step", f"{ra}", f"{rb}", ""),
+            ("step time (s)", f"{a['step_seconds_median']:.3f}", f"{b['step_seconds_median']:.3f}",
+             f"{a['step_seconds_median'] / b['step_seconds_median']:.2f}x"),
             ("responses/s", f"{a['responses_per_s']:,.1f}", f"{b['responses_per_s']:,.1f}",
              f"{b['responses_per_s'] / a['responses_per_s']:.2f}x"),
             ("generated tokens/s", f"{a['generated_tokens_per_s']:,.0f}", f"{b['generated_tokens_per_s']:,.0f}",
              f"{b['generated_tokens_per_s'] / a['generated_tokens_per_s']:.2f}x")]
     for phase in a["phase_seconds_median"]:
         x, y = a["phase_seconds_median"][phase], b["phase_seconds_median"].get(phase)
-        if y:
-            rows.append((f"  {phase} (s)", f"{x:.3f}", f"{y:.3f}", f"{x / y:.2f}x"))
+        if y:  # the phase's rows per second
+            rows.append((f"  {phase} (s)", f"{x:.3f}", f"{y:.3f}", f"{(rb / y) / (ra / x):.2f}x"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    print(f"colocated GRPO step, {one['preset']} preset, fixed global batch of {a['rows']} responses, "
-          f"N processes x {one.get('gpu', 'cpu')}")
+    batch = f"fixed global batch of {ra} responses" if ra == rb else f"global batch {ra} -> {rb} responses (weak scaling)"
+    print(f"colocated GRPO step, {one['preset']} preset, {batch}, N processes x {one.get('gpu', 'cpu')}")
     for r in rows:
         print("  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
-    print(f"scaling efficiency: {speedup / (n2 / n1):.0%} of linear ({n2 / n1:.0f}x the devices)")
-    if a["tokens_generated"] != b["tokens_generated"]:
-        print(f"(responses stop at EOS: {a['tokens_generated']:.0f} vs {b['tokens_generated']:.0f} generated tokens per "
-              "step, so tokens/s and step time scale differently)")
+    print(f"throughput speed-up {speedup:.2f}x, scaling efficiency {speedup / (n2 / n1):.0%} of linear ({n2 / n1:.0f}x the devices)")
+    if a["tokens_generated"] / ra != b["tokens_generated"] / rb:
+        print(f"(responses stop at EOS: {a['tokens_generated'] / ra:.1f} vs {b['tokens_generated'] / rb:.1f} generated tokens "
+              "per response, so tokens/s and responses/s scale differently)")
     for name in ("split", "tp"):
         r = many.get(name)
         if r and "error" not in r and "skipped" not in r:
@@ -661,6 +673,8 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
     ap.add_argument("--compare", nargs=2, metavar=("ONE", "MANY"), help="print the speed-up of two result files")
+    ap.add_argument("--weak", action="store_true",
+                    help="colocated: weak scaling, a global batch of N times the workload's (each rank does one GPU's work)")
     args = ap.parse_args(argv)
     if args.compare:
         return compare(*args.compare)

@@ -96,3 +96,17 @@ def _write(path, obj) -> str:
     with open(path, "w") as f:
         json.dump(obj, f)
     return str(path)
+
+
+def test_weak_scaling_doubles_the_global_batch_and_compares_throughput(two, tmp_path):
+    weak, _ = _torchrun(2, tmp_path / "weak.json", "--scenario", "colocated", "--weak")
+    col = weak["colocated"]
+    assert "error" not in col and col["scaling"] == "weak"
+    assert col["rows"] == 2 * PRESETS["cpu"].rows
+    assert col["responses_per_s"] == pytest.approx(col["rows"] / col["step_seconds_median"])
+    strong = two[0]["colocated"]
+    assert strong["scaling"] == "strong" and strong["rows"] == PRESETS["cpu"].rows
+    out = multi_gpu.compare(_write(tmp_path / "strong.json", two[0]), str(tmp_path / "weak.json"))
+    # throughput ratio: twice the rows per step, at the ratio of the step times
+    expected = 2 * strong["step_seconds_median"] / col["step_seconds_median"]
+    assert out["speedup"] == pytest.approx(expected)
