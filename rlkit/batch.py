@@ -221,7 +221,7 @@ def _how_to_get(name: str) -> str:
         "rewards": "call rlkit.score(batch, reward_fn) first",
         "advantages": "call rlkit.advantage(batch, 'grpo') first",
         "returns": "call rlkit.advantage(batch, 'gae') first (it fills returns)",
-        "values": "the PPO recipe fills it from the critic (rlkit.transforms.compute_values)",
+        "values": "the PPO recipe fills it from the critic (rk.compute_values)",
         "ref_logprobs": "pass ref=... to rlkit.init or drop the KL penalty",
         "logprobs": "batches from rlkit.rollout carry it; for hand-made batches pass logprobs= to make_batch",
         "group": "pass group= to make_batch (equal ids for samples of the same prompt)",

@@ -128,7 +128,7 @@ def update(
         max_logprob_gap: warn when the mean |train - rollout| log-prob gap exceeds it (a
             stale engine, a wrong temperature, a numerics mismatch); None: never.
         old: where the old-policy log-probs of the ratio come from. ``"batch"``:
-            ``batch["old_logprobs"]`` (from :func:`rlkit.transforms.compute_old_logprobs`), else
+            ``batch["old_logprobs"]`` (from :func:`rlkit.compute_old_logprobs`), else
             the rollout's ``batch["logprobs"]``. ``"current"``: this update's own forward,
             detached. That is exact only while the policy has not moved, i.e. for an update of
             one optimizer step (``epochs=1``, one mini-batch); then it equals a separate
@@ -156,7 +156,7 @@ def update(
                 f"from {b0} rows. Use epochs=1 and mini_batch_size=None, or old='batch' with compute_old_logprobs"
             )
     elif old_key not in keys:
-        raise BatchError("batch has neither 'old_logprobs' nor 'logprobs'; batches from rk.rollout carry logprobs, or call rk.transforms.compute_old_logprobs(state, batch)")
+        raise BatchError("batch has neither 'old_logprobs' nor 'logprobs'; batches from rk.rollout carry logprobs, or call rk.compute_old_logprobs(state, batch)")
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     loss_fn, loss_kw, wants_generator, loss_accepts = _resolve_loss(loss, loss_kw)
