@@ -87,17 +87,15 @@ def _varlen_attention(module, query, key, value, attention_mask, dropout: float 
     rows with boundaries ``kwargs["cu_seq_lens_q"]`` -> ``(1 n H d)``, causal within each row.
 
     Flash attention needs bf16/fp16 inputs; otherwise (e.g. FSDP without mixed precision) each
-    row is scattered into a padded batch for SDPA (:func:`_padded_rows_attention`)."""
+    row is scattered into a padded batch for SDPA (:func:`_attend_segments`)."""
     cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     if cu is None or max_len is None:
         raise RuntimeError("rlkit varlen attention needs cu_seq_lens_q / max_length_q (call through rlkit.models.response_hidden)")
     if dropout or sliding_window is not None:
         raise RuntimeError(f"rlkit varlen attention supports no attention dropout ({dropout}) or sliding window ({sliding_window})")
     groups = query.shape[1] // key.shape[1]
-    if not _flash_ok(query):
-        return _padded_rows_attention(query, key, value, cu, max_len, scaling, groups), None
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (n heads d)
-    return _flash_segments(q, k, v, cu, cu, max_len, max_len, scaling, groups)[None], None
+    return _attend_segments(q, k, v, cu, cu, max_len, max_len, scaling, groups)[None], None
 
 
 def _varlen_options() -> frozenset:
@@ -114,11 +112,8 @@ def _flash_ok(query: torch.Tensor) -> bool:
 
 
 def _flash_segments(q, k, v, q_cu, k_cu, q_max: int, k_max: int, scaling, groups: int) -> torch.Tensor:
-    """Varlen flash attention of query segments against key segments: ``q (nq H d)``, ``k, v
-    (nk kvh d)`` -> ``(nq H d)``. Causal, aligned to the bottom right as flash attention aligns
-    it: query ``i`` of a segment with ``Lq`` queries and ``Lk`` keys sees keys ``j <= Lk - Lq + i``,
-    so equal lengths are plain causal attention and a response's queries against ``[prompt;
-    response]`` keys see the whole prompt and the response up to themselves."""
+    """:func:`_attend_segments` through torch's varlen flash attention, whose causal mask is
+    aligned to the bottom right when a segment has more keys than queries."""
     options = _varlen_options()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     kw = {}
@@ -139,23 +134,33 @@ def _flash_segments(q, k, v, q_cu, k_cu, q_max: int, k_max: int, scaling, groups
     return _varlen_fn()(q, k, v, q_cu.to(torch.int32), k_cu.to(torch.int32), q_max, k_max, **kw)
 
 
+def _attend_segments(q, k, v, q_cu, k_cu, q_max: int, k_max: int, scaling, groups: int) -> torch.Tensor:
+    """Attention of query segments against key segments: ``q (nq H d)``, ``k, v (nk kvh d)``
+    concatenated segments with boundaries ``q_cu`` / ``k_cu`` -> ``(nq H d)``. Causal, aligned to
+    the bottom right: query ``i`` of a segment with ``Lq`` queries and ``Lk`` keys sees keys
+    ``j <= Lk - Lq + i``, so equal lengths are plain causal attention (packed rows) and a
+    response's queries against ``[prompt; response]`` keys see the whole prompt and the response
+    up to themselves (:class:`SharedPrefix`). Varlen flash attention where it runs (CUDA, half
+    precision), else :func:`_padded_segments`."""
+    if _flash_ok(q):
+        return _flash_segments(q, k, v, q_cu, k_cu, q_max, k_max, scaling, groups)
+    return _padded_segments(q, k, v, q_cu, k_cu, q_max, k_max, scaling, groups)
+
+
 def _segments_to_padded(t: torch.Tensor, cu: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``t (h n d)`` of concatenated segments -> ``(s h L d)`` zero-padded, plus (row, offset) of each token."""
-    n = t.shape[1]
-    pos = torch.arange(n, device=t.device)
+    """``t (n h d)`` of concatenated segments -> ``(s h L d)`` zero-padded, plus (row, offset) of each token."""
+    pos = torch.arange(t.shape[0], device=t.device)
     row = torch.searchsorted(cu[1:], pos, right=True)
     offset = pos - cu[row]
-    out = t.new_zeros(cu.numel() - 1, max_len, t.shape[0], t.shape[2])
-    out[row, offset] = t.transpose(0, 1)
+    out = t.new_zeros(cu.numel() - 1, max_len, t.shape[1], t.shape[2])
+    out[row, offset] = t
     return out.transpose(1, 2), row, offset
 
 
-def _segment_attention(q, k, v, q_cu, k_cu, q_max: int, k_max: int, offset, scaling, groups: int) -> torch.Tensor:
-    """Attention of query segments against key segments, each zero-padded into a batch for SDPA.
-
-    ``q (H nq d)``, ``k, v (kvh nk d)`` concatenated segments with boundaries ``q_cu`` / ``k_cu``;
-    query ``i`` of segment ``s`` sees keys ``j <= offset[s] + i`` of its segment (causal, after
-    ``offset[s]`` leading keys every query sees). Returns ``(nq H d)``."""
+def _padded_segments(q, k, v, q_cu, k_cu, q_max: int, k_max: int, scaling, groups: int) -> torch.Tensor:
+    """:func:`_attend_segments` without flash: each segment zero-padded into a batch for SDPA with
+    a causal + key-padding mask, gathered back. Work ``O(s L^2)``, not ``O(n^2)``."""
+    q_cu, k_cu = q_cu.long(), k_cu.long()
     qs, row, pos = _segments_to_padded(q, q_cu, q_max)
     ks, _, _ = _segments_to_padded(k, k_cu, k_max)
     vs, _, _ = _segments_to_padded(v, k_cu, k_max)
@@ -163,20 +168,13 @@ def _segment_attention(q, k, v, q_cu, k_cu, q_max: int, k_max: int, offset, scal
         ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
     i = torch.arange(q_max, device=q.device)
     j = torch.arange(k_max, device=q.device)
-    k_len = (k_cu[1:] - k_cu[:-1])[:, None, None]
+    k_len = k_cu[1:] - k_cu[:-1]
+    offset = k_len - (q_cu[1:] - q_cu[:-1])  # keys every query of the segment sees
     # key 0 is always a real token, so padded query slots have a non-empty softmax row (their
     # outputs are never gathered)
-    mask = (j[None, None, :] <= offset[:, None, None] + i[None, :, None]) & (j[None, None, :] < k_len)
+    mask = (j[None, None, :] <= offset[:, None, None] + i[None, :, None]) & (j[None, None, :] < k_len[:, None, None])
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[:, None], scale=scaling)  # (s H L d)
     return o.transpose(1, 2)[row, pos]
-
-
-def _padded_rows_attention(query, key, value, cu, max_len: int, scaling, groups: int) -> torch.Tensor:
-    """Packed attention without flash: scatter each row into a ``(b H L d)`` batch, SDPA with a
-    causal + key-padding mask, gather back -> ``(1 n H d)``. Work ``O(b L^2)``, not ``O(n^2)``."""
-    cu = cu.long()
-    zero = torch.zeros(cu.numel() - 1, dtype=torch.long, device=query.device)
-    return _segment_attention(query[0], key[0], value[0], cu, cu, max_len, max_len, zero, scaling, groups)[None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,7 +202,6 @@ class SharedPrefix:
     response_cu: torch.Tensor  # (rows' + 1) query segments (rows with >= 1 response token)
     key_index: torch.Tensor  # (n_k) packed positions of each response row's keys: its prompt, then itself
     key_cu: torch.Tensor  # (rows' + 1)
-    key_offset: torch.Tensor  # (rows') prompt length of each such row: query i sees keys [0, offset + i]
     response_max: int
     key_max: int
     predict_index: torch.Tensor  # (m) position whose hidden state predicts each response token
@@ -275,7 +272,7 @@ def shared_prefix(prompt_ids, prompt_mask, response_ids, response_mask) -> Share
     return SharedPrefix(
         input_ids=input_ids, position_ids=position_ids, prompt_index=prompt_index, prompt_cu=_cu(g_plen),
         prompt_max=int(g_plen.max()), response_index=response_index, response_cu=_cu(rl), key_index=key_index,
-        key_cu=k_cu, key_offset=pl, response_max=int(rl.max()) if rl.numel() else 0,
+        key_cu=k_cu, response_max=int(rl.max()) if rl.numel() else 0,
         key_max=int(k_len.max()) if k_len.numel() else 0, predict_index=predict_index,
     )
 
@@ -283,32 +280,21 @@ def shared_prefix(prompt_ids, prompt_mask, response_ids, response_mask) -> Share
 def _shared_prefix_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, sliding_window=None, **kwargs):
     """A transformers attention function for the :class:`SharedPrefix` layout:
     ``query (1 H n d)``, ``key/value (1 kvh n d)`` -> ``(1 n H d)``: prompts causal among
-    themselves, each response over its prompt then itself (:func:`_segment_attention`)."""
+    themselves, each response over its prompt then itself (:func:`_attend_segments`)."""
     layout: SharedPrefix | None = kwargs.get("rlkit_shared_prefix")
     if layout is None:
         raise RuntimeError("rlkit shared-prefix attention needs rlkit_shared_prefix (call through rlkit.models.response_hidden)")
     if dropout or sliding_window is not None:
         raise RuntimeError(f"rlkit shared-prefix attention supports no attention dropout ({dropout}) or sliding window ({sliding_window})")
-    q, k, v = query[0], key[0], value[0]  # (h n d)
-    groups = q.shape[0] // k.shape[0]
-    out = q.new_zeros(q.shape[1], q.shape[0], q.shape[2])  # (n H d)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (n h d)
+    groups = q.shape[1] // k.shape[1]
     p, r, kk = layout.prompt_index, layout.response_index, layout.key_index
-    if _flash_ok(query):
-        # flash's bottom-right causal alignment is exactly this layout's: a response's queries
-        # against [prompt; response] keys see the prompt and the response up to themselves
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (n h d)
-        out = out.index_copy(0, p, _flash_segments(q[p], k[p], v[p], layout.prompt_cu, layout.prompt_cu,
-                                                   layout.prompt_max, layout.prompt_max, scaling, groups))
-        if r.numel():
-            out = out.index_copy(0, r, _flash_segments(q[r], k[kk], v[kk], layout.response_cu, layout.key_cu,
-                                                       layout.response_max, layout.key_max, scaling, groups))
-        return out[None], None
-    zero = torch.zeros(layout.prompt_cu.numel() - 1, dtype=torch.long, device=q.device)
-    out = out.index_copy(0, p, _segment_attention(q[:, p], k[:, p], v[:, p], layout.prompt_cu, layout.prompt_cu,
-                                                  layout.prompt_max, layout.prompt_max, zero, scaling, groups))
+    out = q.new_zeros(q.shape).index_copy(
+        0, p, _attend_segments(q[p], k[p], v[p], layout.prompt_cu, layout.prompt_cu, layout.prompt_max, layout.prompt_max, scaling, groups)
+    )
     if r.numel():
-        out = out.index_copy(0, r, _segment_attention(q[:, r], k[:, kk], v[:, kk], layout.response_cu, layout.key_cu,
-                                                      layout.response_max, layout.key_max, layout.key_offset, scaling, groups))
+        out = out.index_copy(0, r, _attend_segments(q[r], k[kk], v[kk], layout.response_cu, layout.key_cu,
+                                                    layout.response_max, layout.key_max, scaling, groups))
     return out[None], None
 
 

@@ -174,7 +174,7 @@ def test_values_packed_padded_and_alignment(model, batch):
     assert value_model.score.weight.grad.abs().sum() > 0
 
 
-def test_padded_rows_attention_equals_the_padded_layout(model, batch, monkeypatch):
+def test_packed_rows_through_padded_segments_equal_the_padded_layout(model, batch, monkeypatch):
     """The CPU path for long packed batches (each row scattered into a padded batch for SDPA)
     gives the padded layout's log-probs and gradients."""
     from rlkit.models import logprobs as L
@@ -182,7 +182,7 @@ def test_padded_rows_attention_equals_the_padded_layout(model, batch, monkeypatc
     monkeypatch.setattr(L, "CPU_DENSE_MASK_MAX_TOKENS", 0)  # every packed batch takes that path
     monkeypatch.setattr(L, "SHARE_PROMPTS", False)
     calls = []
-    monkeypatch.setattr(L, "_padded_rows_attention", lambda *a, _f=L._padded_rows_attention: calls.append(1) or _f(*a))
+    monkeypatch.setattr(L, "_padded_segments", lambda *a, _f=L._padded_segments: calls.append(1) or _f(*a))
     model = copy.deepcopy(model).double()  # float64: the two layouts must agree to rounding
     results = []
     for layout in ("packed", "padded"):
@@ -190,7 +190,7 @@ def test_padded_rows_attention_equals_the_padded_layout(model, batch, monkeypatc
         lp, _ = response_logprobs(model, *_args(batch), layout=layout)
         (lp * torch.arange(lp.numel(), dtype=lp.dtype).reshape(lp.shape)).sum().backward()
         results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-    assert calls, "the packed call did not go through the padded-rows attention"
+    assert calls, "the packed call did not go through the padded-segments attention"
     (lp0, g0), (lp1, g1) = results
     torch.testing.assert_close(lp0, lp1, rtol=0, atol=1e-6)  # log-probs are computed in float32
     for name in g1:

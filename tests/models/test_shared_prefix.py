@@ -104,13 +104,12 @@ def test_flash_segments_align_causality_to_the_bottom_right_as_the_shared_layout
     heads, kvh, d = 4, 2, 64
     q_len, k_len = torch.tensor([3, 5, 1, 6]), torch.tensor([7, 5, 4, 9])  # offsets 4, 0, 3, 3
     q_cu, k_cu = L._cu(q_len).cuda(), L._cu(k_len).cuda()
-    q = torch.randn(heads, int(q_len.sum()), d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(kvh, int(k_len.sum()), d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(kvh, int(k_len.sum()), d, device="cuda", dtype=torch.bfloat16)
-    out = L._flash_segments(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), q_cu, k_cu,
-                            int(q_len.max()), int(k_len.max()), d**-0.5, heads // kvh)
-    ref = L._segment_attention(q.double(), k.double(), v.double(), q_cu, k_cu, int(q_len.max()), int(k_len.max()),
-                               (k_len - q_len).cuda(), d**-0.5, heads // kvh)
+    q = torch.randn(int(q_len.sum()), heads, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(int(k_len.sum()), kvh, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(int(k_len.sum()), kvh, d, device="cuda", dtype=torch.bfloat16)
+    sizes = (q_cu, k_cu, int(q_len.max()), int(k_len.max()), d**-0.5, heads // kvh)
+    out = L._flash_segments(q, k, v, *sizes)
+    ref = L._padded_segments(q.double(), k.double(), v.double(), *sizes)
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-2)
 
 
