@@ -233,8 +233,16 @@ def _compiled_layer_pieces() -> tuple:
 @lazy_kernels
 def _triton_kernels() -> dict[str, Any]:
     """The Triton kernels (sampler partial/combine, decode attention); None when Triton is not importable."""
-    global libdevice
+    global libdevice, _log2  # module globals: the kernels (and Triton's interpreter) look them up there
     libdevice = _libdevice()
+
+    @triton.jit
+    def _log2(x, FAST: tl.constexpr):
+        if FAST:  # the hardware's lg2.approx (see _libdevice)
+            y = libdevice.fast_log2f(x)
+        else:
+            y = tl.log2(x)
+        return y
 
     @triton.jit
     def partial_kernel(
@@ -280,16 +288,10 @@ def _triton_kernels() -> dict[str, Any]:
                 # + log2(ln 2), a constant dropped from every key. Column c = start + off + j *
                 # QUARTER + lane takes output j of Philox counter (start + off) / 4 + lane.
                 u0, u1, u2, u3 = tl.rand4x(seed, (start + off) // 4 + lanes)
-                if FAST_LOG:  # the hardware's lg2.approx (see _libdevice)
-                    s0 = y0 - libdevice.fast_log2f(-libdevice.fast_log2f(u0))
-                    s1 = y1 - libdevice.fast_log2f(-libdevice.fast_log2f(u1))
-                    s2 = y2 - libdevice.fast_log2f(-libdevice.fast_log2f(u2))
-                    s3 = y3 - libdevice.fast_log2f(-libdevice.fast_log2f(u3))
-                else:
-                    s0 = y0 - tl.log2(-tl.log2(u0))
-                    s1 = y1 - tl.log2(-tl.log2(u1))
-                    s2 = y2 - tl.log2(-tl.log2(u2))
-                    s3 = y3 - tl.log2(-tl.log2(u3))
+                s0 = y0 - _log2(-_log2(u0, FAST_LOG), FAST_LOG)
+                s1 = y1 - _log2(-_log2(u1, FAST_LOG), FAST_LOG)
+                s2 = y2 - _log2(-_log2(u2, FAST_LOG), FAST_LOG)
+                s3 = y3 - _log2(-_log2(u3, FAST_LOG), FAST_LOG)
             # columns in increasing order, strict '>': each lane keeps its lowest index among ties
             take = s0 > best
             best, best_idx, best_y = tl.where(take, s0, best), tl.where(take, c0, best_idx), tl.where(take, y0, best_y)
