@@ -13,7 +13,9 @@ Both sides get the same tokenizer, prompts and reward function, so they do the s
 """
 from __future__ import annotations
 
+import contextlib
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -97,3 +99,52 @@ def reward(completions, **kwargs) -> list[float]:
 
 def param_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Clock:
+    """Wall time of phases, synchronising the device at each boundary (this process only)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        sync(self.device)
+        t0 = time.perf_counter()
+        yield
+        sync(self.device)
+        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+
+def grpo_phases(state, prompts, wl: Workload, clock: Clock, reward_fn, *, beta: float, micro_batch: int, old_pass: bool = True):
+    """One GRPO step through rlkit's transforms, each phase timed by ``clock``: rollout -> score ->
+    advantage("grpo") -> [old log-probs] -> [ref log-probs when beta] -> update("ppo_clip").
+
+    The old-policy log-probs follow ``wl.old_logprobs``: True a separate pass (where ``old_pass``;
+    split placement's rollout ranks skip it), "current" the update's own forward, False the
+    rollout's. Returns ``(state, batch, update metrics)``."""
+    from rlkit.transforms.advantage import advantage
+    from rlkit.transforms.forward import compute_old_logprobs, compute_ref_logprobs
+    from rlkit.transforms.rollout import rollout
+    from rlkit.transforms.score import score
+    from rlkit.transforms.update import update
+
+    with clock("rollout"):
+        batch = rollout(state, prompts, n=wl.n, max_new_tokens=wl.max_new_tokens, ignore_stop=wl.ignore_eos)
+    with clock("score_advantage"):
+        batch = advantage(score(batch, reward_fn), "grpo")
+    if wl.old_logprobs is True and old_pass:
+        with clock("old_logprobs"):
+            batch = compute_old_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
+    if beta:
+        with clock("ref_logprobs"):
+            batch = compute_ref_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
+    with clock("update"):
+        state, metrics = update(state, batch, loss="ppo_clip", kl=("low_var_kl", beta) if beta else None,
+                                micro_batch_size=micro_batch, old="current" if wl.old_logprobs == "current" else "batch")
+    return state, batch, metrics

@@ -17,7 +17,6 @@ step configurations side by side (no separate old-policy pass, larger micro-batc
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -31,27 +30,8 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _workload import PRESETS, build, param_count, reward  # noqa: E402
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class Clock:
-    """Wall time of phases, synchronising the device at each boundary."""
-
-    def __init__(self, device):
-        self.device, self.times = device, {}
-
-    @contextlib.contextmanager
-    def __call__(self, name):
-        _sync(self.device)
-        t0 = time.perf_counter()
-        yield
-        _sync(self.device)
-        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+from _workload import PRESETS, Clock, build, grpo_phases, param_count, reward  # noqa: E402
+from _workload import sync as _sync  # noqa: E402
 
 
 def measure_ceilings(device) -> dict:
@@ -88,32 +68,17 @@ def _masked_mean(x, mask):
 
 def grpo_step(state, prompts, wl, device):
     """One step through rlkit's transforms; returns ``(state, phase times, metrics)``."""
-    from rlkit.transforms.advantage import advantage
-    from rlkit.transforms.forward import compute_old_logprobs, compute_ref_logprobs
-    from rlkit.transforms.rollout import rollout, rollout_metrics
-    from rlkit.transforms.score import score
-    from rlkit.transforms.update import update
+    from rlkit.transforms.rollout import rollout_metrics
 
     clock = Clock(device)
     extra = {}
     with clock("step"):
-        with clock("rollout"):
-            batch = rollout(state, prompts, n=wl.n, max_new_tokens=wl.max_new_tokens, ignore_stop=wl.ignore_eos)
-        with clock("score_advantage"):
-            batch = advantage(score(batch, reward), "grpo")
-        if wl.old_logprobs is True:
-            with clock("old_logprobs"):
-                batch = compute_old_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
+        state, batch, metrics = grpo_phases(state, prompts, wl, clock, reward, beta=wl.beta, micro_batch=wl.micro_batch)
+        if "old_logprobs" in batch.keys():
             mask = batch["response_mask"].float()
             diff = batch["old_logprobs"] - batch["logprobs"]
             extra["behaviour_gap_mean_abs"] = _masked_mean(diff.abs(), mask)
             extra["behaviour_clipfrac"] = _masked_mean(((diff.exp() - 1).abs() > 0.2).float(), mask)
-        if wl.beta:
-            with clock("ref_logprobs"):
-                batch = compute_ref_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
-        with clock("update"):
-            state, metrics = update(state, batch, loss="ppo_clip", kl=("low_var_kl", wl.beta) if wl.beta else None,
-                                    micro_batch_size=wl.micro_batch, old="current" if wl.old_logprobs == "current" else "batch")
     tokens = batch["prompt_mask"].sum() + batch["response_mask"].sum()
     metrics = {**rollout_metrics(batch), **metrics, **extra, "tokens_total": float(tokens),
                "tokens_generated": float(batch["response_mask"].sum())}

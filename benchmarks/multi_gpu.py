@@ -45,7 +45,6 @@ object (rewritten after every scenario, so a later crash keeps the earlier figur
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import datetime
 import gc
@@ -61,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _workload import PRESETS, build, param_count, reward  # noqa: E402
+from _workload import PRESETS, Clock, build, grpo_phases, param_count, reward, sync  # noqa: E402
 
 SCENARIOS = ("colocated", "split", "tp")
 
@@ -81,13 +80,8 @@ def _world_size() -> int:
     return dist.get_world_size() if _distributed() else 1
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _barrier(device: torch.device) -> None:
-    _sync(device)
+    sync(device)
     if _distributed():
         from rlkit.parallel import barrier
 
@@ -101,21 +95,6 @@ def _gather(obj) -> list:
     out: list = [None] * _world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-class Clock:
-    """Wall time of phases, synchronising the device at each boundary (this rank only)."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.times = device, {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        _sync(self.device)
-        t0 = time.perf_counter()
-        yield
-        _sync(self.device)
-        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
 
 def _median_dict(dicts: list[dict]) -> dict:
@@ -140,29 +119,14 @@ def grpo_step_fn(wl, device, *, beta: float, old_logprobs_here: bool, train_rank
     ``update``'s micro-batch counts this rank's rows (verl's ``*_per_gpu``): the workload's
     micro-batch, capped at the ``rows / train_ranks`` rows each training rank holds (``rows``:
     the global batch, the workload's by default)."""
-    from rlkit.transforms.advantage import advantage
-    from rlkit.transforms.forward import compute_old_logprobs, compute_ref_logprobs
-    from rlkit.transforms.rollout import rollout, rollout_metrics
-    from rlkit.transforms.score import score
-    from rlkit.transforms.update import update
+    from rlkit.transforms.rollout import rollout_metrics
 
     micro = min(wl.micro_batch, (rows or wl.rows) // train_ranks)
 
     def step(state, prompts, reward_fn):
         clock = Clock(device)
-        with clock("rollout"):
-            batch = rollout(state, prompts, n=wl.n, max_new_tokens=wl.max_new_tokens, ignore_stop=wl.ignore_eos)
-        with clock("score_advantage"):
-            batch = advantage(score(batch, reward_fn), "grpo")
-        if wl.old_logprobs and old_logprobs_here:
-            with clock("old_logprobs"):
-                batch = compute_old_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
-        if beta:
-            with clock("ref_logprobs"):
-                batch = compute_ref_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
-        with clock("update"):
-            state, metrics = update(state, batch, loss="ppo_clip", kl=("low_var_kl", beta) if beta else None,
-                                    micro_batch_size=micro)
+        state, batch, metrics = grpo_phases(state, prompts, wl, clock, reward_fn, beta=beta, micro_batch=micro,
+                                            old_pass=old_logprobs_here)
         metrics = {**rollout_metrics(batch), **metrics, "rows": float(batch.batch_size[0]),
                    "tokens_generated": float(batch["response_mask"].sum()),
                    **{f"time/{k}": v for k, v in clock.times.items()}}

@@ -191,9 +191,10 @@ def update(
         return new_state, metrics
     # only the tensors the loss reads: slicing and moving text columns (lazy stacks of strings)
     # cost milliseconds per micro-batch
-    used = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "advantages", old_key, "logprobs", "ref_logprobs", "values", "returns")
+    used = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "advantages", "old_logprobs", "logprobs",
+            "ref_logprobs", "values", "returns")
     present = set(batch.keys())
-    batch = batch.select(*(k for k in dict.fromkeys(used) if k in present))
+    batch = batch.select(*(k for k in used if k in present))
     b = batch.batch_size[0]
     horizon = batch["response_mask"].shape[-1]
     term_agg = agg or "token-mean"
