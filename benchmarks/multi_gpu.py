@@ -135,10 +135,14 @@ def grpo_step_fn(wl, device, *, beta: float, old_logprobs_here: bool, train_rank
     return step
 
 
-def _run_steps(plan, state, prompts, device, steps: int, warmup: int):
+def _run_steps(plan, state, prompts, device, steps: int, warmup: int, profile: str | None = None):
     """``warmup + steps`` calls of ``plan.step``, each between barriers; returns
-    ``(state, wall seconds of the timed steps, metrics of the timed steps)``."""
+    ``(state, wall seconds of the timed steps, metrics of the timed steps)``. With ``profile`` (a
+    path ending in .json.gz), one more untimed step runs under ``torch.profiler`` on every rank;
+    rank 0 writes its Chrome trace there and prints ``_trace.py``'s phase summary."""
     times, metrics = [], []
+    if profile:
+        state = _profiled_step(plan, state, prompts, device, profile)
     for i in range(warmup + steps):
         _barrier(device)
         t0 = time.perf_counter()
@@ -152,6 +156,33 @@ def _run_steps(plan, state, prompts, device, steps: int, warmup: int):
             times.append(seconds)
             metrics.append(m)
     return state, times, metrics
+
+
+def _profiled_step(plan, state, prompts, device, path: str):
+    import gzip
+    import tempfile
+
+    from _trace import print_summary, summarise
+
+    for _ in range(2):  # warm-up before tracing (compile, CUDA graphs, caches)
+        _barrier(device)
+        state, _ = plan.step(state, prompts)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    _barrier(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        state, _ = plan.step(state, prompts)
+        _barrier(device)
+    if _rank() == 0:
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            prof.export_chrome_trace(tmp.name)
+            with open(tmp.name, "rb") as src, gzip.open(path, "wb") as dst:
+                dst.write(src.read())
+            with open(tmp.name) as f:
+                print(f"-- profiled step (rank 0 of {_world_size()}), trace {os.path.basename(path)}")
+                print_summary(summarise(json.load(f)["traceEvents"]))
+    return state
 
 
 def _throughput(wl, times: list[float], metrics: list[dict]) -> dict:
@@ -219,7 +250,7 @@ def scenario_colocated(args, device) -> dict:
     state = plan.shard(state)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    state, times, metrics = _run_steps(plan, state, prompts, device, args.steps, args.warmup)
+    state, times, metrics = _run_steps(plan, state, prompts, device, args.steps, args.warmup, args.profile)
     out = {"layout": f"actor FSDP({_world_size()}) + rollout DP({_world_size()}), same ranks"
            if _world_size() > 1 else "one process (lowering is the identity)",
            "scaling": "weak" if args.weak else "strong",
@@ -637,6 +668,9 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
     ap.add_argument("--compare", nargs=2, metavar=("ONE", "MANY"), help="print the speed-up of two result files")
+    ap.add_argument("--profile", metavar="TRACE.json.gz",
+                    help="colocated: before the timed steps, trace one step with torch.profiler (rank 0 writes the "
+                         "Chrome trace here and prints where each phase's GPU time goes: benchmarks/_trace.py)")
     ap.add_argument("--weak", action="store_true",
                     help="colocated: weak scaling, a global batch of N times the workload's (each rank does one GPU's work)")
     args = ap.parse_args(argv)

@@ -4,8 +4,16 @@ Why per block, in place (``nn.Module.compile``): the blocks of a model share one
 (with dynamo's default ``inline_inbuilt_nn_modules``) their parameters are graph *inputs*, so one
 compiled graph serves every block of every model of the same config (actor and reference alike);
 the state-dict keys do not change (no ``_orig_mod.`` prefix), so checkpoints, weight sync and
-FSDP2's per-block ``fully_shard`` see the same module tree. ``dynamic=True`` because the packed
-token count changes every batch.
+FSDP2's per-block ``fully_shard`` see the same module tree.
+
+Shapes: dynamo's automatic dynamic shapes (``dynamic=None``): the first call of a variant compiles
+for its exact sizes, and the first change of a size (the packed token count changes every batch)
+recompiles it once with that size symbolic. Not ``dynamic=True``: under FSDP2 dynamo sources the
+blocks' attributes from an FSDP-managed module, and ``dynamic=True`` then made integers such as
+``head_dim`` graph inputs too; the rotary and shared-prompt gather kernels compiled around a
+symbolic head size ran 6-8x slower on an H200 and the FSDP(2) log-prob pass took 0.21 s instead
+of 0.16 s (``benchmarks/multi_gpu.py --profile``). Automatic dynamic keeps every size that never
+changes a constant.
 
 What it buys on GPU (Qwen2.5-0.5B shape, one H200, ``benchmarks/grpo_step.py``): the RMSNorms,
 rotary embeddings, SiLU-gating and residual adds of each block fuse into a few kernels; see
@@ -42,8 +50,11 @@ def is_compiled(model: nn.Module) -> bool:
     return bool(blocks) and all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
 
 
-def compile_layers(model: nn.Module, *, dynamic: bool = True, backend: str | Callable = "inductor", **options: Any) -> int:
+def compile_layers(model: nn.Module, *, dynamic: bool | None = None, backend: str | Callable = "inductor", **options: Any) -> int:
     """Compile every decoder block of ``model`` in place; returns how many were compiled.
+
+    ``dynamic``: passed to ``torch.compile``; the default ``None`` is dynamo's automatic dynamic
+    shapes (module docstring: why not ``True``).
 
     Idempotent for blocks already compiled. Raises ``ValueError`` when the model has no
     recognisable block list (``model.model.layers`` for Llama/Qwen)."""
@@ -60,7 +71,8 @@ def compile_layers(model: nn.Module, *, dynamic: bool = True, backend: str | Cal
     return len(blocks)
 
 
-#: compiled variants allowed per code object. All blocks share one (``forward`` of the block
+#: compiled variants allowed per code object (automatic dynamic shapes: up to two per variant,
+#: the first for exact sizes, then one with the token count symbolic). All blocks share one (``forward`` of the block
 #: class), and each combination of model (actor / reference: parameters' requires_grad differs),
 #: grad mode (update / log-prob pass) and attention layout (varlen, shared prompts, padded) a
 #: block meets is one variant. Dynamo's default of 8 is reached by a GRPO run that also checks

@@ -119,3 +119,44 @@ def test_blocks_stay_compiled_through_the_variants_a_grpo_run_meets(monkeypatch)
                     variants += 1
     assert variants > 8
     torch._dynamo.reset()
+
+
+def test_fsdp_sharded_blocks_keep_their_integer_attributes_static():
+    # FSDP2 marks the blocks "FSDP-managed"; dynamo then sources their attributes from an FSDP
+    # module, and under dynamic=True an int such as head_dim became a graph input (a symbol).
+    # On an H200 that made the fused rotary / shared-prompt kernels 6-8x slower. compile_layers
+    # uses automatic dynamic shapes: the token count becomes dynamic, head_dim stays a constant.
+    import torch.distributed as dist
+
+    from rlkit.models.logprobs import LogprobModule
+    from rlkit.parallel.fsdp import shard_model
+    from rlkit.parallel.mesh import device_mesh
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append({n.name: n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"})
+        return gm.forward
+
+    model = _model()
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    compile_layers(model, backend=backend)
+    module = shard_model(LogprobModule(model), device_mesh(device_type="cpu"))
+    try:
+        with torch.no_grad():
+            for prompts, responses in ((PROMPTS, RESPONSES), (PROMPTS[:2], [[5, 6, 7, 8, 9, 1], [2]])):
+                b = make_batch(prompts, responses, pad_token_id=0)
+                module(b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"])
+        assert len(graphs) == 2, "the second length should recompile once, with a dynamic token count"
+        dynamic_tokens = False
+        for graph in graphs:
+            assert not [n for n in graph if "head_dim" in n], f"head_dim is a graph input: {list(graph)}"
+            cos = next(v for n, v in graph.items() if "position_embeddings" in n)
+            assert isinstance(cos.shape[-1], int) and cos.shape[-1] == head_dim
+            dynamic_tokens |= isinstance(cos.shape[1], torch.SymInt)
+        assert dynamic_tokens
+    finally:
+        torch._dynamo.reset()
+        if dist.is_initialized():
+            dist.destroy_process_group()

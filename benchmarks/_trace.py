@@ -1,0 +1,90 @@
+"""Read a torch.profiler Chrome trace: where each benchmark phase spends its GPU time.
+
+    python benchmarks/_trace.py trace.json.gz
+
+For every phase range (the ``record_function`` names that ``_workload.Clock`` opens: rollout,
+score_advantage, old_logprobs, ref_logprobs, update) it prints the range's wall time and, on the
+GPU inside that range: the busy time (union of all kernel intervals), the time of communication
+kernels (NCCL) and of the rest, how much of the communication ran alongside other kernels, and
+the idle time (range wall minus busy). The top kernels by total time follow. Idle time means the
+GPU waited for the host (launch overhead, a host sync, Python); communication that does not
+overlap means collectives on the critical path.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+
+PHASES = ("rollout", "score_advantage", "old_logprobs", "ref_logprobs", "update")
+
+
+def _load(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _clip(intervals, lo, hi):
+    return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
+
+
+def summarise(events: list[dict], top: int = 15) -> dict:
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    ranges = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name") in PHASES]
+    is_comm = lambda e: "nccl" in e["name"].lower()  # noqa: E731
+    comm = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if is_comm(e)]
+    compute = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if not is_comm(e)]
+    rows = {}
+    for r in sorted(ranges, key=lambda e: e["ts"]):
+        lo, hi = r["ts"], r["ts"] + r["dur"]
+        c, k = _clip(comm, lo, hi), _clip(compute, lo, hi)
+        busy = _union(c + k)
+        comm_t, comp_t = _union(c), _union(k)
+        rows[r["name"]] = {
+            "wall_ms": r["dur"] / 1e3,
+            "gpu_busy_ms": busy / 1e3,
+            "compute_ms": comp_t / 1e3,
+            "comm_ms": comm_t / 1e3,
+            "comm_exposed_ms": (busy - comp_t) / 1e3,
+            "idle_ms": (r["dur"] - busy) / 1e3,
+        }
+    by_name = collections.defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        by_name[e["name"]][0] += e["dur"]
+        by_name[e["name"]][1] += 1
+    top_kernels = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"phases": rows, "top_kernels": [(n[:90], t / 1e3, c) for n, (t, c) in top_kernels]}
+
+
+def print_summary(s: dict) -> None:
+    cols = ("wall_ms", "gpu_busy_ms", "compute_ms", "comm_ms", "comm_exposed_ms", "idle_ms")
+    print(f"{'phase':<16}" + "".join(f"{c:>16}" for c in cols))
+    for name, row in s["phases"].items():
+        print(f"{name:<16}" + "".join(f"{row[c]:>16.1f}" for c in cols))
+    print(f"\n{'kernel (top by total time)':<92}{'ms':>9}{'calls':>8}")
+    for name, ms, calls in s["top_kernels"]:
+        print(f"{name:<92}{ms:>9.1f}{calls:>8}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args()
+    print_summary(summarise(_load(args.trace), args.top))
+
+
+if __name__ == "__main__":
+    main()
