@@ -114,6 +114,28 @@ def _job_two(full: dict[str, torch.Tensor]) -> dict:
         "my_rows": shard_rows(merged)["group"].tolist(),
     }
 
+    # Unequal row counts and widths, float / bool / 1-D fields and two text columns: the
+    # collective gather equals concatenating both ranks' batches on one process.
+    from rlkit.parallel.placement import _cat_padded
+
+    def part(r):
+        prompts, responses = ([[1, 2, 3]], [[5]]) if r == 0 else ([[4], [6, 6]], [[6, 7, 8], [9]])
+        lp = [[-0.5 - r] * len(x) for x in responses]
+        cols = {"answer": [f"a{r}{i}" for i in range(len(prompts))], "prompt_text": [str(p) for p in prompts]}
+        return make_batch(prompts, responses, logprobs=lp, rewards=[float(r)] * len(prompts), group=[r] * len(prompts), columns=cols)
+
+    uneven = gather_rows(part(rank))
+    expected = _cat_padded([part(0), part(1)])
+    out["uneven"] = {
+        "keys": sorted(uneven.keys()) == sorted(expected.keys()),
+        "tensors": all(
+            uneven[k].dtype == expected[k].dtype and torch.equal(uneven[k], expected[k])
+            for k in expected.keys() if isinstance(expected.get(k), torch.Tensor)
+        ),
+        "text": [column(uneven, k) == column(expected, k) for k in ("answer", "prompt_text")],
+        "rows": uneven.batch_size[0],
+    }
+
     # Ranks that disagree on the architecture get an error naming the problem, not garbage.
     try:
         R.gather_weights(actor if rank == 0 else _tree(full).to(torch.bfloat16), R.replicated())
@@ -199,6 +221,12 @@ def test_gather_rows_then_shard_rows_round_trip(two):
         assert g["response_ids"] == [[5, 0], [6, 7]]  # responses stay right-padded
         assert g["answer"] == ["a0", "a1"]
         assert g["my_rows"] == [r["rank"]]
+
+
+def test_gather_rows_with_uneven_rows_equals_one_process_concatenation(two):
+    for r in two:
+        u = r["uneven"]
+        assert u == {"keys": True, "tensors": True, "text": [True, True], "rows": 3}, u
 
 
 def test_fsdp4_to_tp2_x_dp2(four):
