@@ -14,7 +14,9 @@ Under ``rlkit.launch`` / torchrun the same code lowers onto a placement (role ->
   data-parallel replica, or tensor-parallel), refreshed by :func:`rlkit.parallel.gather_weights`
   after every update (bytes and seconds reported as ``sync/*`` metrics);
 - ``rollout`` splits the prompts across generation replicas and gathers one global Batch, so
-  ``score`` and ``advantage`` see whole groups (and whole-batch statistics) on every rank;
+  ``score`` and ``advantage`` see whole groups (and whole-batch statistics) on every rank; the
+  reward functions themselves run on 1/N of the rows per rank and their values are all-gathered
+  (:func:`rlkit.parallel.shard_reward`, ``lower(shard_reward=False)`` to opt out);
 - ``update`` trains on this rank's rows of that Batch, normalising by global token counts.
 
 Placement is data stored with the state (``state._cache``), so recipes and user steps run
@@ -93,6 +95,7 @@ class Pipeline:
         activation_checkpointing: bool = False,
         rollout_dtype: torch.dtype | None = None,
         release_rollout_memory: bool = False,
+        shard_reward: bool = True,
     ) -> "Plan":
         """Lower onto a placement: ``None`` = this process (identity when torch.distributed is
         off, every role colocated on all ranks when it is on); a DeviceMesh = every role
@@ -100,7 +103,11 @@ class Pipeline:
 
         ``release_rollout_memory``: colocated roles take turns on memory — the engine frees its
         KV cache (and CUDA graphs) after every rollout so training gets that memory back, at the
-        cost of rebuilding them on the next rollout."""
+        cost of rebuilding them on the next rollout.
+
+        ``shard_reward``: every rank holds the same global Batch after the rollout; each rank
+        scores 1/N of it and the rewards are all-gathered (:func:`rlkit.parallel.shard_reward`).
+        ``False`` scores every row on every rank (a TRL-style reward that needs all rows at once)."""
         from rlkit.parallel import Placement, colocated_placement, local_placement
 
         distributed = dist.is_available() and dist.is_initialized()
@@ -110,7 +117,7 @@ class Pipeline:
             placement = colocated_placement(placement)
         return Plan(self, placement, tp=tp, mixed_precision=mixed_precision, cpu_offload=cpu_offload,
                     activation_checkpointing=activation_checkpointing, rollout_dtype=rollout_dtype,
-                    release_rollout_memory=release_rollout_memory)
+                    release_rollout_memory=release_rollout_memory, shard_reward=shard_reward)
 
 
 @dataclass
@@ -125,6 +132,7 @@ class Plan:
     activation_checkpointing: bool = False
     rollout_dtype: torch.dtype | None = None
     release_rollout_memory: bool = False
+    shard_reward: bool = True
     reports: list = field(default_factory=list)
 
     @property
@@ -253,7 +261,22 @@ class Plan:
 
     def step(self, state: TrainState, prompts: Prompts):
         """One iteration of the pipeline's step on this process's share of the work."""
-        return self.pipeline(state, prompts)
+        return self.pipeline._fn()(state, prompts, self.reward(state))
+
+    def reward(self, state: TrainState):
+        """The pipeline's reward as this plan runs it: split over the ranks that hold the global
+        Batch (colocated: the data-parallel mesh; split placement: all ranks) unless
+        ``shard_reward=False`` or on one process."""
+        if self.is_local or not self.shard_reward:
+            return self.pipeline.reward
+        key = "sharded_reward"
+        if key not in state._cache:  # the cache dict is shared by every state of this run
+            from rlkit.parallel import shard_reward
+
+            dp = state._cache.get("dp")
+            mesh = dp.mesh if dp is not None and "split" not in state._cache else None
+            state._cache[key] = shard_reward(self.pipeline.reward, mesh)
+        return state._cache[key]
 
     def fit(self, state: TrainState, prompts, *, steps: int, batch_size: int, **kwargs):
         """:func:`rlkit.fit` over this plan (same arguments)."""
@@ -261,7 +284,7 @@ class Plan:
 
         from rlkit.loop import fit
 
-        return fit(state, SimpleNamespace(step=self.pipeline._fn()), self.pipeline.reward, prompts, steps=steps, batch_size=batch_size, **kwargs)
+        return fit(state, SimpleNamespace(step=self.pipeline._fn()), self.reward(state), prompts, steps=steps, batch_size=batch_size, **kwargs)
 
 
 def split_prompts(prompts: Prompts, dp: DataParallel) -> tuple[Prompts, int]:

@@ -30,6 +30,7 @@ from rlkit.parallel.placement import (
     colocated_placement,
     gather_rows,
     local_placement,
+    shard_reward,
     shard_rows,
     split_placement,
 )
@@ -41,5 +42,6 @@ __all__ = [
     "decoder_layers", "full_state_dict", "global_sum", "load_full_state_dict", "set_gradient_reduction",
     "shard_model", "unsharded",
     "Layout", "SyncReport", "gather_weights", "replicated", "split", "tensor_parallel", "tp_style",
-    "ROLES", "Placement", "colocated_placement", "gather_rows", "local_placement", "shard_rows", "split_placement",
+    "ROLES", "Placement", "colocated_placement", "gather_rows", "local_placement", "shard_reward", "shard_rows",
+    "split_placement",
 ]

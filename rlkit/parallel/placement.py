@@ -211,3 +211,91 @@ def _cat_padded(parts: list):
                 rows.extend(value.tolist() if hasattr(value, "tolist") else [value] * p.batch_size[0])
             set_column(merged, key, rows)
     return merged
+
+
+def shard_reward(reward, mesh: DeviceMesh | None = None):
+    """``reward`` (a function, a list or a ``{name: fn}`` dict, as :func:`rlkit.score` takes) with
+    each function's work split over the ranks of ``mesh`` (default: all ranks).
+
+    Under a multi-rank plan every rank holds the same global Batch, so without this every rank
+    would score every response. Each wrapped function scores a contiguous 1/N of the rows and
+    the values are all-gathered, so every rank still gets all of them, in row order.
+
+    - TRL-style functions (``f(completions, **columns) -> list``): the completions and every
+      per-row list argument are sliced.
+    - Batch-style functions (``f(batch) -> Tensor``, e.g. a reward model): the batch is sliced.
+    - verl-style functions (``compute_score(...)``, called once per sample) are returned as they
+      are: each call is one sample, there is nothing to split.
+
+    A function that raises on one rank raises on every rank (a ``RuntimeError`` naming the rank
+    and the error on the others), so no rank waits forever in the gather. Collective: all ranks
+    of ``mesh`` must call the wrapped functions together, as a Plan's step does.
+    """
+    rank, size = _dp_rank_size(mesh)
+    if size == 1:
+        return reward
+    group = mesh.get_group() if mesh is not None else None
+    if isinstance(reward, Mapping):
+        return {name: shard_reward(fn, mesh) for name, fn in reward.items()}
+    if isinstance(reward, (list, tuple)):
+        return type(reward)(shard_reward(fn, mesh) for fn in reward)
+    from rlkit.transforms.score import reward_style
+
+    return reward if reward_style(reward) == "verl" else _ShardedReward(reward, rank, size, group)
+
+
+class _ShardedReward:
+    """One reward function scoring this rank's share of the rows (see :func:`shard_reward`)."""
+
+    def __init__(self, fn, rank: int, size: int, group) -> None:
+        import functools
+
+        from rlkit.transforms.score import reward_style
+
+        self.fn, self.rank, self.size, self.group = fn, rank, size, group
+        self.style = reward_style(fn)
+        functools.update_wrapper(self, fn)  # same name and signature (inspect follows __wrapped__)
+
+    def _share(self, b: int) -> tuple[int, int]:
+        per = -(-b // self.size)
+        return min(b, self.rank * per), min(b, (self.rank + 1) * per)
+
+    def _gather(self, compute) -> list:
+        try:
+            mine, error = compute(), None
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the gather
+            mine, error = None, exc
+        everyone: list = [None] * self.size
+        dist.all_gather_object(everyone, (mine, None if error is None else f"{type(error).__name__}: {error}"), group=self.group)
+        if error is not None:
+            raise error
+        failed = [(r, msg) for r, (_, msg) in enumerate(everyone) if msg is not None]
+        if failed:
+            r, msg = failed[0]
+            raise RuntimeError(f"reward {getattr(self.fn, '__name__', self.fn)!r} failed on rank {r}: {msg}")
+        return [v for values, _ in everyone for v in values]
+
+    def __call__(self, *args, **kwargs):
+        if self.style == "batch":
+            (batch,) = args
+            lo, hi = self._share(batch.batch_size[0])
+
+            def compute():
+                if hi <= lo:
+                    return []
+                values = self.fn(batch[lo:hi])
+                values = values.detach().float().flatten().cpu() if isinstance(values, torch.Tensor) else values
+                return [float(v) if v is not None else None for v in values]
+
+            return torch.tensor([float("nan") if v is None else v for v in self._gather(compute)], dtype=torch.float32)
+        completions, *rest = args
+        b = len(completions)
+        lo, hi = self._share(b)
+        cut = lambda v: v[lo:hi] if isinstance(v, (list, tuple)) and len(v) == b else v  # noqa: E731
+
+        def compute():
+            if hi <= lo:
+                return []
+            return list(self.fn(cut(list(completions)), *[cut(v) for v in rest], **{k: cut(v) for k, v in kwargs.items()}))
+
+        return self._gather(compute)

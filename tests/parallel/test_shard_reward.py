@@ -1,0 +1,96 @@
+"""Rewards split over data-parallel ranks (rlkit.parallel.shard_reward) on 2 CPU processes (gloo):
+every rank gets every reward, equal to scoring on one process, while each function sees only its
+share of the rows; a reward failing on one rank raises on both instead of hanging the gather."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+ANSWERS = ["1", "2", "1", "3", "1"]
+TEXTS = ["a", "bb", "c", "ddd", "e"]
+
+
+def _batch():
+    from rlkit.batch import make_batch
+
+    return make_batch(
+        [[1, 2]] * 5, [[3], [4, 4], [5], [6, 6, 6], [7]],
+        columns={"answer": ANSWERS, "response_text": TEXTS, "prompt_text": ["p"] * 5},
+    )
+
+
+def _job() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from rlkit.parallel import init_distributed, shard_reward, shutdown
+    from rlkit.transforms.score import RewardError, score
+
+    init_distributed()
+    rank = dist.get_rank()
+    seen: dict[str, list[int]] = {"trl": [], "batch": [], "verl": []}
+
+    def trl(completions, answer, **kwargs):
+        seen["trl"].append(len(completions))
+        return [len(c) + float(a) for c, a in zip(completions, answer)]
+
+    def by_batch(batch):
+        seen["batch"].append(batch.batch_size[0])
+        return batch["response_mask"].sum(-1).float() * 10
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        seen["verl"].append(1)
+        return float(len(solution_str) == int(ground_truth))
+
+    rewards = {"trl": trl, "batch": by_batch, "verl": compute_score}
+    sharded = score(_batch(), shard_reward(rewards))
+    calls = {k: list(v) for k, v in seen.items()}
+    single = score(_batch(), rewards)
+    out = {
+        "rank": rank,
+        "equal": all(torch.equal(sharded[k], single[k]) for k in ("rewards", "reward/trl", "reward/batch", "reward/verl")),
+        "rewards": sharded["rewards"].tolist(),
+        "calls": calls,
+    }
+
+    def fails_on_rank_1(completions, **kwargs):
+        if rank == 1:
+            raise ValueError("boom")
+        return [0.0] * len(completions)
+
+    try:
+        score(_batch(), shard_reward(fails_on_rank_1))
+        out["error"] = None
+    except RewardError as exc:
+        out["error"] = str(exc)
+    shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two():
+    from rlkit.parallel.local import run_local
+
+    return run_local(_job, 2, timeout=120)
+
+
+def test_every_rank_gets_every_reward_equal_to_one_process(two):
+    for r in two:
+        assert r["equal"], r
+        expected = [len(t) + float(a) + 10 * len(t) + float(len(t) == int(a)) for t, a in zip(TEXTS, ANSWERS)]
+        assert r["rewards"] == pytest.approx(expected)
+
+
+def test_each_rank_scores_only_its_share(two):
+    # 5 rows over 2 ranks: 3 + 2; verl-style rewards are per sample and stay unsplit
+    shares = {r["rank"]: r["calls"] for r in two}
+    assert shares[0]["trl"] == [3] and shares[1]["trl"] == [2]
+    assert shares[0]["batch"] == [3] and shares[1]["batch"] == [2]
+    assert len(shares[0]["verl"]) == len(shares[1]["verl"]) == 5
+
+
+def test_a_reward_failing_on_one_rank_raises_on_both(two):
+    by_rank = {r["rank"]: r["error"] for r in two}
+    assert by_rank[0] is not None and "failed on rank 1" in by_rank[0] and "boom" in by_rank[0]
+    assert by_rank[1] is not None and "boom" in by_rank[1]
