@@ -204,9 +204,9 @@ def validate(batch: Batch, require: Iterable[str] = ()) -> Batch:
                     f"field {name!r} has shape {tuple(value.shape)} but {other} has {want} columns; "
                     f"every response-aligned field must be (b t) = ({b} {want})"
                 )
-        if kind == "float" and name != "token_rewards" and not name.endswith("logprobs"):
+        if name == "rewards":
             bad = ~torch.isfinite(value)
-            if name == "rewards" and bad.any():
+            if bad.any():
                 rows = bad.nonzero().flatten()[:5].tolist()
                 raise BatchError(f"field 'rewards' is not finite at rows {rows} (values {value[rows].tolist()}); fix the reward function")
     if "response_mask" in keys:

@@ -207,25 +207,26 @@ def update(
     actor.train()
     grad_scale = float(dp.size) if dp is not None and dp.mean_reduce else 1.0
 
-    sums: dict[str, float] = {}
+    # metrics stay on the device (float64) until one transfer at the end: a float() per metric
+    # per micro-batch would make the host wait for the GPU before every backward
+    sums: dict[str, torch.Tensor | float] = {}
     weights: dict[str, float] = {}
 
-    def record(name: str, value: torch.Tensor | float, weight: float = 1.0):
-        v = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+    def record(name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0):
+        v = value.detach().double() if isinstance(value, torch.Tensor) else float(value)
         sums[name] = sums.get(name, 0.0) + v * weight
-        weights[name] = weights.get(name, 0.0) + weight
+        if not isinstance(weight, torch.Tensor):
+            weights[name] = weights.get(name, 0.0) + weight
 
     skipped = 0
     streak = int(state.extras.get("nonfinite_streak", 0))
     gap_abs = gap_max = None
     steps_done = 0
     for epoch in range(epochs):
-        order = torch.arange(b)
-        if shuffle:
-            order = torch.randperm(b, generator=state.rng("shuffle", epoch, device="cpu"))
+        order = torch.randperm(b, generator=state.rng("shuffle", epoch, device="cpu")) if shuffle else None
         for m0 in range(0, b, mini):
-            mb_rows = order[m0 : m0 + mini]
-            mini_batch = batch[mb_rows]
+            # unshuffled: a slice (views), not an index (a copy of every field)
+            mini_batch = batch[order[m0 : m0 + mini]] if order is not None else batch[m0 : m0 + mini]
             mask_all = mini_batch["response_mask"]
             num_tokens = _global_sum(mask_all.sum().to(device, torch.float32), state)
             # rows without any valid token do not count as sequences (verl's seq-mean-* default)
@@ -236,7 +237,7 @@ def update(
             for u0 in range(0, mini, micro):
                 mb = mini_batch[u0 : u0 + micro].to(device)
                 mask = mb["response_mask"]
-                frac = float(mask.sum()) / max(1.0, float(num_tokens))
+                frac = mask.sum().double() / num_tokens.double().clamp(min=1.0)
                 norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
                 logprobs, entropy = response_logprobs(
                     actor_module, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask,
@@ -264,9 +265,9 @@ def update(
                     record("actor/kl_loss", kl_loss, 1.0)
                 if "logprobs" in keys and epoch == 0 and m0 == 0:
                     # the silent bug of every peer: train-vs-rollout numerics; measured before any step
-                    diff = (logprobs.detach() - mb["logprobs"]).abs()[mask]
-                    gap_abs = (gap_abs or 0.0) + float(diff.sum())
-                    gap_max = max(gap_max or 0.0, float(diff.max()) if diff.numel() else 0.0)
+                    diff = (logprobs.detach() - mb["logprobs"]).abs().masked_fill(~mask, 0.0)
+                    gap_abs = diff.sum().double() + (0.0 if gap_abs is None else gap_abs)
+                    gap_max = diff.max().double() if gap_max is None else torch.maximum(gap_max, diff.max().double())
                 (total * grad_scale).backward()
                 if train_critic:
                     values = values_for_response(critic_module, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask)
@@ -277,7 +278,7 @@ def update(
                         record(f"critic/{k}", v, frac)
             grad_norm = _clip(actor, max_grad_norm)
             record("actor/grad_norm", grad_norm)
-            finite = math.isfinite(grad_norm) and math.isfinite(sums.get("actor/pg_loss", 0.0))
+            finite = bool(torch.isfinite(torch.as_tensor(grad_norm)) & torch.isfinite(torch.as_tensor(sums.get("actor/pg_loss", 0.0))))
             if finite:
                 optimizer.step()
                 state.scheduler.step()
@@ -296,13 +297,21 @@ def update(
             if train_critic:
                 c_norm = _clip(state.critic, max_grad_norm)
                 record("critic/grad_norm", c_norm)
-                if math.isfinite(c_norm):
+                if bool(torch.isfinite(torch.as_tensor(c_norm))):
                     state.critic_optimizer.step()
                     state.critic_scheduler.step()
                 else:
                     state.critic_optimizer.zero_grad(set_to_none=True)
 
     n_steps = epochs * (b // mini)
+    # one device-to-host transfer for every metric
+    on_device = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
+    extra_keys = [x for x in (gap_abs, gap_max) if isinstance(x, torch.Tensor)]
+    if on_device or extra_keys:
+        host = torch.stack([sums[k].to(device) for k in on_device] + [x.to(device) for x in extra_keys]).tolist()
+        sums.update(zip(on_device, host[: len(on_device)]))
+        if extra_keys:
+            gap_abs, gap_max = host[len(on_device) :]
     # loss parts are already normalised per mini-batch (summed over its micro-batches) and ratio
     # metrics are token-weighted fractions of each mini-batch: both average over optimizer steps
     metrics = {k: sums[k] / (weights[k] if k.endswith("grad_norm") else n_steps) for k in sums}
@@ -351,7 +360,7 @@ def _reduce_metrics(metrics, gap_abs, gap_max, n_tok, dp, device):
     return out, gap_abs, gap_max, float(packed_values[-1])
 
 
-def _clip(model: torch.nn.Module, max_norm: float | None) -> float:
+def _clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor | float:
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0
@@ -361,4 +370,4 @@ def _clip(model: torch.nn.Module, max_norm: float | None) -> float:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    return float(norm)
+    return norm  # a 0-d tensor on the device: update reads it with the other metrics
