@@ -136,6 +136,16 @@ def make_batch(
     return batch
 
 
+def shallow_copy(batch: Batch) -> Batch:
+    """A new Batch holding the same field objects: what a transform returns after adding fields.
+
+    ``TensorDict.clone(recurse=False)`` also copies every row of every non-tensor column (one
+    ``NonTensorData`` per row): 5 ms for 512 rows and three text columns, paid by each of score,
+    advantage and the log-prob passes. Fields are never changed in place by rlkit, so sharing
+    them is safe; setting or replacing a field of the copy leaves ``batch`` as it was."""
+    return TensorDict({k: batch.get(k) for k in batch.keys()}, batch_size=batch.batch_size, device=batch.device)
+
+
 def set_column(batch: Batch, name: str, values: Sequence[Any]) -> None:
     """Attach a non-tensor per-row column (text, answers, metadata)."""
     values = list(values)

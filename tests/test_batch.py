@@ -56,3 +56,19 @@ def test_group_size_rejects_ragged_groups():
     b = make_batch([[1]] * 3, [[2]] * 3, group=[0, 0, 1])
     with pytest.raises(BatchError, match="group"):
         group_size(b)
+
+
+def test_shallow_copy_shares_fields_but_not_the_key_set():
+    import torch
+
+    from rlkit.batch import column, make_batch, shallow_copy
+
+    b = make_batch([[1, 2], [3]], [[4], [5, 6]], columns={"answer": ["x", "y"]})
+    b.set_non_tensor("note", {"k": 1})
+    c = shallow_copy(b)
+    c.set("rewards", torch.tensor([1.0, 2.0]))
+    c.set("response_ids", torch.zeros_like(b["response_ids"]))
+    assert "rewards" not in b.keys() and b["response_ids"].tolist() == [[4, 0], [5, 6]]
+    assert c["prompt_ids"] is b["prompt_ids"]  # shared, not copied
+    assert column(c, "answer") == ["x", "y"] and c.get_non_tensor("note") == {"k": 1}
+    assert c.batch_size == b.batch_size

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from rlkit.algos.advantages import ADVANTAGE_ESTIMATORS
-from rlkit.batch import Batch, BatchError, group_size, validate
+from rlkit.batch import Batch, BatchError, group_size, shallow_copy, validate
 
 BATCH_INPUTS = ("token_rewards", "response_mask", "group", "values", "reward_baselines")
 #: estimators that compare samples of the same prompt and so need >= 2 samples per prompt
@@ -71,7 +71,7 @@ def advantage(batch: Batch, estimator: str | Callable = "grpo", **kw) -> Batch:
     advantages, returns = fn(**inputs, **kw)
     if advantages.shape != batch["response_mask"].shape:
         raise BatchError(f"estimator returned advantages of shape {tuple(advantages.shape)}, expected (b t) = {tuple(batch['response_mask'].shape)}")
-    out = batch.clone(recurse=False)
+    out = shallow_copy(batch)
     out.set("advantages", advantages.to(torch.float32))
     out.set("returns", returns.to(torch.float32))
     if "token_rewards" not in batch.keys() and "rewards" in batch.keys():

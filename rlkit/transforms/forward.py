@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rlkit.batch import Batch, validate
+from rlkit.batch import Batch, shallow_copy, validate
 
 
 def _micro(batch: Batch, micro_batch_size: int | None):
@@ -81,7 +81,7 @@ def compute_old_logprobs(state, batch: Batch, *, temperature: float = 1.0, micro
     """Add ``old_logprobs``: the actor's log-probs before the update (verl's recompute)."""
     module = state._cache.get("actor_module", state.actor)
     lp = _sharded_map(state, batch, lambda rows: model_logprobs(module, rows, temperature=temperature, micro_batch_size=micro_batch_size)[0])
-    out = batch.clone(recurse=False)
+    out = shallow_copy(batch)
     out.set("old_logprobs", lp)
     return out
 
@@ -92,7 +92,7 @@ def compute_ref_logprobs(state, batch: Batch, *, temperature: float = 1.0, micro
         raise ValueError("state has no reference model; create it with rk.init(model, ref='copy') or drop the KL penalty")
     module = state._cache.get("ref_module", state.ref)
     lp = _sharded_map(state, batch, lambda rows: model_logprobs(module, rows, temperature=temperature, micro_batch_size=micro_batch_size)[0])
-    out = batch.clone(recurse=False)
+    out = shallow_copy(batch)
     out.set("ref_logprobs", lp)
     return out
 
@@ -117,6 +117,6 @@ def compute_values(state, batch: Batch, *, micro_batch_size: int | None = None) 
         values = _sharded_map(state, batch, run)
     finally:
         critic.train(was_training)
-    out = batch.clone(recurse=False)
+    out = shallow_copy(batch)
     out.set("values", values.to(batch["response_ids"].device))
     return out

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rlkit.batch import Batch, set_column
+from rlkit.batch import Batch, set_column, shallow_copy
 from rlkit.data import Prompts, as_prompts
 from rlkit.engines.base import Engine, SamplingParams
 from rlkit.state import TrainState, fold_in, generator
@@ -243,7 +243,7 @@ def concat(batches: Sequence[Batch]) -> Batch:
     widths_t = max(b["response_ids"].shape[1] for b in batches)
     parts, offset = [], 0
     for b in batches:
-        b = b.clone(recurse=False)
+        b = shallow_copy(b)
         for k in list(b.keys()):
             v = b.get(k)
             if isinstance(v, torch.Tensor) and v.dim() == 2:

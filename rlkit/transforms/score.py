@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from rlkit.batch import Batch, BatchError, column, columns, validate
+from rlkit.batch import Batch, BatchError, column, columns, shallow_copy, validate
 
 
 class RewardError(ValueError):
@@ -68,7 +68,12 @@ def _sample_desc(batch: Batch, i: int, prompts: list[str], completions: list[str
 def _call_trl(fn, batch, prompts, completions) -> list[Any]:
     params = inspect.signature(fn).parameters
     has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    available: dict[str, Any] = {"prompts": prompts, "completion_ids": [r[m].tolist() for r, m in zip(batch["response_ids"], batch["response_mask"])]}
+    ids, mask = batch["response_ids"], batch["response_mask"].bool()
+    if mask.shape[1] < 2 or not (mask[:, 1:] & ~mask[:, :-1]).any():  # right-padded: each row's ids are a prefix
+        completion_ids = [row[:n] for row, n in zip(ids.tolist(), mask.sum(-1).tolist())]
+    else:
+        completion_ids = [r[m].tolist() for r, m in zip(ids, mask)]
+    available: dict[str, Any] = {"prompts": prompts, "completion_ids": completion_ids}
     for name in columns(batch):
         if name not in ("prompt_text", "response_text"):
             available[name] = column(batch, name)
@@ -166,7 +171,7 @@ def score(
     needs_text = any(reward_style(fn) != "batch" for fn in fns.values())
     completions = _texts(batch, "response_text", tokenizer) if needs_text else []
     prompts = _texts(batch, "prompt_text", tokenizer) if needs_text else []
-    out = batch.clone(recurse=False)
+    out = shallow_copy(batch)
     total = torch.zeros(batch.batch_size[0])
     for key, fn in fns.items():
         values = _run_one(fn, batch, prompts, completions)
