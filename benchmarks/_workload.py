@@ -106,6 +106,34 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class GcPauses:
+    """Count and time Python's garbage collections (per generation) while ``active``.
+
+    A full (generation 2) collection walks every live container object; in a process holding a
+    model, compiled graphs and per-row text columns that can take 100 ms or more, landing in
+    whichever phase happens to allocate at that moment."""
+
+    def __init__(self):
+        import gc
+
+        self.stats = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}
+        self.active, self._t0 = False, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if not self.active:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            entry = self.stats[info["generation"]]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - self._t0
+
+    def summary(self) -> dict:
+        return {f"gen{g}": {"count": n, "ms": round(t * 1e3, 1)} for g, (n, t) in self.stats.items()}
+
+
 class Clock:
     """Wall time of phases, synchronising the device at each boundary (this process only)."""
 

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _workload import PRESETS, Clock, build, grpo_phases, param_count, reward, sync  # noqa: E402
+from _workload import PRESETS, Clock, GcPauses, build, grpo_phases, param_count, reward, sync  # noqa: E402
 
 SCENARIOS = ("colocated", "split", "tp")
 
@@ -144,6 +144,10 @@ def _run_steps(plan, state, prompts, device, steps: int, warmup: int, profile: s
     if profile:
         state = _profiled_step(plan, state, prompts, device, profile)
     for i in range(warmup + steps):
+        if i == warmup:
+            if _GC_FREEZE:
+                gc.freeze()  # everything alive after the warm-up (model, compiled graphs) leaves the GC's view
+            _GC.active = True
         _barrier(device)
         t0 = time.perf_counter()
         state, m = plan.step(state, prompts)
@@ -185,6 +189,10 @@ def _profiled_step(plan, state, prompts, device, path: str):
     return state
 
 
+_GC = GcPauses()
+_GC_FREEZE = False
+
+
 def _throughput(wl, times: list[float], metrics: list[dict]) -> dict:
     step_s = statistics.median(times)
     rows = int(statistics.median(m.get("rows", wl.rows) for m in metrics))
@@ -198,7 +206,10 @@ def _throughput(wl, times: list[float], metrics: list[dict]) -> dict:
         "tokens_generated": tokens,
         "responses_per_s": rows / step_s,
         "generated_tokens_per_s": tokens / step_s,
+        "gc_during_timed_steps": _GC.summary(),  # this rank's Python garbage collections
+        "gc_freeze": _GC_FREEZE,
     }
+    _GC.active, _GC.stats = False, {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}
     if "rollout" in phases:
         out["rollout_tokens_per_s"] = tokens / phases["rollout"]
     engine_s = [m["rollout/seconds"] for m in metrics if "rollout/seconds" in m]
@@ -510,6 +521,10 @@ def print_table(result: dict) -> None:
             rows.append((f"{name}: phases (rank 0)", ", ".join(f"{k} {v:.3f}" for k, v in ph.items())))
             if "rollout_tokens_per_s" in r:
                 rows.append((f"{name}: rollout tokens/s", f"{r['rollout_tokens_per_s']:,.0f}"))
+            if "gc_during_timed_steps" in r:
+                g = r["gc_during_timed_steps"]
+                rows.append((f"{name}: Python GC (rank 0)", ", ".join(f"{k} {v['count']}x {v['ms']:.0f} ms" for k, v in g.items())
+                             + (" (gc.freeze after warm-up)" if r.get("gc_freeze") else "")))
         if name == "colocated" and "sync_bytes_median" in r:
             rows.append(("colocated: weight sync", f"{r['sync_bytes_median'] / 1e9:.3f} GB/rank in "
                          f"{r['sync_seconds_median'] * 1e3:.1f} ms" if r["sync_bytes_median"] else
@@ -671,9 +686,14 @@ def main(argv=None):
     ap.add_argument("--profile", metavar="TRACE.json.gz",
                     help="colocated: before the timed steps, trace one step with torch.profiler (rank 0 writes the "
                          "Chrome trace here and prints where each phase's GPU time goes: benchmarks/_trace.py)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() after the warm-up steps: objects alive then (model, compiled graphs) are never "
+                         "walked by Python's full collections again (each scenario reports its collections either way)")
     ap.add_argument("--weak", action="store_true",
                     help="colocated: weak scaling, a global batch of N times the workload's (each rank does one GPU's work)")
     args = ap.parse_args(argv)
+    global _GC_FREEZE
+    _GC_FREEZE = args.gc_freeze
     if args.compare:
         return compare(*args.compare)
     from rlkit.parallel import shutdown
