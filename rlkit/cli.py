@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 
 
 def doctor(args) -> int:

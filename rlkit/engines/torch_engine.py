@@ -59,6 +59,11 @@ from torch import nn
 from rlkit._triton import lazy_kernels
 from rlkit.engines.base import Generation, SamplingParams, pick_pad_token_id
 
+#: Triton and ``triton.language``, put here by :func:`rlkit._triton.lazy_kernels` when the kernels
+#: are first built (None before that, and on machines without Triton)
+triton: Any = None
+tl: Any = None
+
 #: model_type -> name of its rotary-embedding class in ``transformers.models.<type>.modeling_<type>``
 SUPPORTED = {"llama": "LlamaRotaryEmbedding", "qwen2": "Qwen2RotaryEmbedding", "qwen3": "Qwen3RotaryEmbedding"}
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,11 @@ from torch.utils.checkpoint import checkpoint
 
 from rlkit._triton import lazy_kernels
 from rlkit.batch import packed
+
+#: Triton and ``triton.language``, put here by :func:`rlkit._triton.lazy_kernels` when the kernels
+#: are first built (None before that, and on machines without Triton)
+triton: Any = None
+tl: Any = None
 
 LAYOUTS = ("packed", "padded")
 #: attention implementations whose masks transformers derives from packed ``position_ids``

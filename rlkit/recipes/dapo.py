@@ -55,7 +55,8 @@ class DAPO(Recipe):
             if self.overlong_buffer:
                 pen = overlong_penalty(batch["response_mask"].sum(-1), self.max_new_tokens, self.overlong_buffer, self.overlong_factor)
                 batch.set("rewards", batch["rewards"] + pen)
-            first = first if attempts else batch
+            if attempts == 0:
+                first = batch  # its rollout and reward metrics are reported
             sampled += batch.batch_size[0]
             informative = keep_informative_groups(batch)
             if informative.batch_size[0]:

@@ -11,7 +11,7 @@ impossible by construction.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 

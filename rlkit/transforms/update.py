@@ -18,7 +18,6 @@ handle raises :class:`rlkit.state.DonatedStateError` if used again.
 from __future__ import annotations
 
 import inspect
-import math
 import warnings
 from typing import Any, Callable, Mapping
 
