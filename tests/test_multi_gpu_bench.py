@@ -99,9 +99,17 @@ def _write(path, obj) -> str:
 
 
 def test_weak_scaling_doubles_the_global_batch_and_compares_throughput(two, tmp_path):
-    weak, _ = _torchrun(2, tmp_path / "weak.json", "--scenario", "colocated", "--weak")
+    trace = tmp_path / "weak_trace.json.gz"
+    weak, stdout = _torchrun(2, tmp_path / "weak.json", "--scenario", "colocated", "--weak", "--profile", str(trace))
     col = weak["colocated"]
     assert "error" not in col and col["scaling"] == "weak"
+    # --profile: rank 0 wrote a Chrome trace whose phase ranges _trace.py finds, and printed them
+    import _trace
+
+    summary = _trace.summarise(_trace._load(str(trace)))
+    assert {"rollout", "score_advantage", "update"} <= set(summary["phases"])
+    assert "-- profiled step (rank 0 of 2)" in stdout
+    assert set(col["gc_during_timed_steps"]) == {"gen0", "gen1", "gen2"}
     assert col["rows"] == 2 * PRESETS["cpu"].rows
     assert col["responses_per_s"] == pytest.approx(col["rows"] / col["step_seconds_median"])
     strong = two[0]["colocated"]
@@ -110,3 +118,22 @@ def test_weak_scaling_doubles_the_global_batch_and_compares_throughput(two, tmp_
     # throughput ratio: twice the rows per step, at the ratio of the step times
     expected = 2 * strong["step_seconds_median"] / col["step_seconds_median"]
     assert out["speedup"] == pytest.approx(expected)
+
+
+def test_trace_summary_hand_worked():
+    # one phase 0..100 us; compute kernels 10-40 and 50-60, an NCCL kernel 30-70:
+    # busy = union 10-70 = 60, compute 40, communication 40, exposed = 60 - 40 = 20, idle 40
+    import _trace
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "update", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 10, "dur": 30},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 50, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather", "ts": 30, "dur": 40},
+        {"ph": "X", "cat": "kernel", "name": "late", "ts": 150, "dur": 5},  # outside the phase
+    ]
+    row = _trace.summarise(events)["phases"]["update"]
+    expected = {"wall_ms": 0.1, "gpu_busy_ms": 0.06, "compute_ms": 0.04, "comm_ms": 0.04, "comm_exposed_ms": 0.02, "idle_ms": 0.04}
+    assert row == pytest.approx(expected)
+    top = _trace.summarise(events)["top_kernels"]
+    assert top[0][0] == "gemm" and top[0][1] == pytest.approx(0.04) and top[0][2] == 2
