@@ -134,6 +134,7 @@ class Plan:
     release_rollout_memory: bool = False
     shard_reward: bool = True
     reports: list = field(default_factory=list)
+    _rewards: dict = field(default_factory=dict, repr=False)
 
     @property
     def is_local(self) -> bool:
@@ -269,14 +270,14 @@ class Plan:
         ``shard_reward=False`` or on one process."""
         if self.is_local or not self.shard_reward:
             return self.pipeline.reward
-        key = "sharded_reward"
-        if key not in state._cache:  # the cache dict is shared by every state of this run
+        dp = state._cache.get("dp")
+        mesh = dp.mesh if dp is not None and "split" not in state._cache else None
+        key = id(mesh)
+        if key not in self._rewards:  # one wrapper per mesh, kept by this plan (its own reward)
             from rlkit.parallel import shard_reward
 
-            dp = state._cache.get("dp")
-            mesh = dp.mesh if dp is not None and "split" not in state._cache else None
-            state._cache[key] = shard_reward(self.pipeline.reward, mesh)
-        return state._cache[key]
+            self._rewards[key] = (mesh, shard_reward(self.pipeline.reward, mesh))
+        return self._rewards[key][1]
 
     def fit(self, state: TrainState, prompts, *, steps: int, batch_size: int, **kwargs):
         """:func:`rlkit.fit` over this plan (same arguments)."""
