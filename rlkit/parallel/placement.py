@@ -186,33 +186,6 @@ def gather_rows(batch, mesh: DeviceMesh | None = None):
     return merged
 
 
-def _cat_padded(parts: list):
-    import torch.nn.functional as F
-    from tensordict import TensorDict
-
-    first = parts[0]
-    out: dict = {}
-    for key in first.keys():
-        values = [p.get(key) for p in parts]
-        if isinstance(values[0], torch.Tensor):
-            if values[0].dim() == 2:
-                width = max(v.shape[1] for v in values)
-                left = str(key).startswith("prompt")
-                values = [F.pad(v, (width - v.shape[1], 0) if left else (0, width - v.shape[1])) for v in values]
-            out[key] = torch.cat(values, dim=0)
-    merged = TensorDict(out, batch_size=[sum(p.batch_size[0] for p in parts)])
-    from rlkit.batch import set_column  # local: keeps rlkit.parallel importable without tensordict users
-
-    for key in first.keys():
-        if not isinstance(first.get(key), torch.Tensor):
-            rows: list = []
-            for p in parts:
-                value = p.get(key)
-                rows.extend(value.tolist() if hasattr(value, "tolist") else [value] * p.batch_size[0])
-            set_column(merged, key, rows)
-    return merged
-
-
 def shard_reward(reward, mesh: DeviceMesh | None = None):
     """``reward`` (a function, a list or a ``{name: fn}`` dict, as :func:`rlkit.score` takes) with
     each function's work split over the ranks of ``mesh`` (default: all ranks).

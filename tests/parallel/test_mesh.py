@@ -106,12 +106,14 @@ def test_shard_rows_slices_contiguously():
             assert P.shard_rows(torch.arange(6), group_size=2).tolist() == [2 * rank, 2 * rank + 1]
 
 
-def test_cat_padded_respects_left_and_right_padding():
+def test_concat_respects_left_and_right_padding():
+    # the one-process concatenation that gather_rows must equal (tests/parallel/test_reshard.py)
     from rlkit.batch import column, make_batch, validate
+    from rlkit.transforms.rollout import concat
 
     a = make_batch([[5, 6, 7]], [[1]], group=[0], columns={"answer": ["x"]})
     b = make_batch([[8]], [[2, 3, 4]], group=[1], columns={"answer": ["y"]})
-    merged = validate(P._cat_padded([a, b]))
+    merged = validate(concat([a, b]))
     assert merged["prompt_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
     assert merged["prompt_mask"].tolist() == [[True] * 3, [False, False, True]]
     assert merged["response_ids"].tolist() == [[1, 0, 0], [2, 3, 4]]

@@ -115,8 +115,9 @@ def _job_two(full: dict[str, torch.Tensor]) -> dict:
     }
 
     # Unequal row counts and widths, float / bool / 1-D fields and two text columns: the
-    # collective gather equals concatenating both ranks' batches on one process.
-    from rlkit.parallel.placement import _cat_padded
+    # collective gather equals concatenating both ranks' batches on one process (rlkit's
+    # concat: same padding rule; it renumbers groups, which here are already 0 and 1).
+    from rlkit.transforms.rollout import concat
 
     def part(r):
         prompts, responses = ([[1, 2, 3]], [[5]]) if r == 0 else ([[4], [6, 6]], [[6, 7, 8], [9]])
@@ -125,7 +126,7 @@ def _job_two(full: dict[str, torch.Tensor]) -> dict:
         return make_batch(prompts, responses, logprobs=lp, rewards=[float(r)] * len(prompts), group=[r] * len(prompts), columns=cols)
 
     uneven = gather_rows(part(rank))
-    expected = _cat_padded([part(0), part(1)])
+    expected = concat([part(0), part(1)])
     out["uneven"] = {
         "keys": sorted(uneven.keys()) == sorted(expected.keys()),
         "tensors": all(
