@@ -107,22 +107,27 @@ def sync(device: torch.device) -> None:
 
 
 class GcPauses:
-    """Count and time Python's garbage collections (per generation) while ``active``.
+    """``with GcPauses() as gc_pauses:`` counts and times Python's garbage collections (per
+    generation) inside the block; ``gc_pauses.summary()`` after it.
 
     A full (generation 2) collection walks every live container object; in a process holding a
     model, compiled graphs and per-row text columns that can take 100 ms or more, landing in
     whichever phase happens to allocate at that moment."""
 
-    def __init__(self):
+    def __enter__(self) -> "GcPauses":
         import gc
 
         self.stats = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}
-        self.active, self._t0 = False, 0.0
+        self._t0 = 0.0
         gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import gc
+
+        gc.callbacks.remove(self._callback)
 
     def _callback(self, phase: str, info: dict) -> None:
-        if not self.active:
-            return
         if phase == "start":
             self._t0 = time.perf_counter()
         else:

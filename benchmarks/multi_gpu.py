@@ -135,19 +135,18 @@ def grpo_step_fn(wl, device, *, beta: float, old_logprobs_here: bool, train_rank
     return step
 
 
-def _run_steps(plan, state, prompts, device, steps: int, warmup: int, profile: str | None = None):
+def _run_steps(plan, state, prompts, device, steps: int, warmup: int, profile: str | None = None,
+               gc_freeze: bool = False):
     """``warmup + steps`` calls of ``plan.step``, each between barriers; returns
-    ``(state, wall seconds of the timed steps, metrics of the timed steps)``. With ``profile`` (a
-    path ending in .json.gz), one more untimed step runs under ``torch.profiler`` on every rank;
-    rank 0 writes its Chrome trace there and prints ``_trace.py``'s phase summary."""
+    ``(state, wall seconds of the timed steps, metrics of the timed steps, this rank's garbage
+    collections during the timed steps)``. With ``profile`` (a path ending in .json.gz), one more
+    untimed step runs under ``torch.profiler`` on every rank; rank 0 writes its Chrome trace there
+    and prints ``_trace.py``'s phase summary. ``gc_freeze``: ``gc.freeze()`` after the warm-up."""
     times, metrics = [], []
     if profile:
         state = _profiled_step(plan, state, prompts, device, profile)
-    for i in range(warmup + steps):
-        if i == warmup:
-            if _GC_FREEZE:
-                gc.freeze()  # everything alive after the warm-up (model, compiled graphs) leaves the GC's view
-            _GC.active = True
+
+    def one_step(i: int, state):
         _barrier(device)
         t0 = time.perf_counter()
         state, m = plan.step(state, prompts)
@@ -156,10 +155,18 @@ def _run_steps(plan, state, prompts, device, steps: int, warmup: int, profile: s
         if _rank() == 0:
             phases = ", ".join(f"{k[5:]} {v:.3f}s" for k, v in m.items() if k.startswith("time/"))
             print(f"  step {i}{' (warm-up)' if i < warmup else ''}: {seconds:.3f}s ({phases})", flush=True)
-        if i >= warmup:
+        return state, seconds, m
+
+    for i in range(warmup):
+        state, _, _ = one_step(i, state)
+    if gc_freeze:
+        gc.freeze()  # everything alive after the warm-up (model, compiled graphs) leaves the GC's view
+    with GcPauses() as gc_pauses:
+        for i in range(warmup, warmup + steps):
+            state, seconds, m = one_step(i, state)
             times.append(seconds)
             metrics.append(m)
-    return state, times, metrics
+    return state, times, metrics, gc_pauses.summary()
 
 
 def _profiled_step(plan, state, prompts, device, path: str):
@@ -189,11 +196,7 @@ def _profiled_step(plan, state, prompts, device, path: str):
     return state
 
 
-_GC = GcPauses()
-_GC_FREEZE = False
-
-
-def _throughput(wl, times: list[float], metrics: list[dict]) -> dict:
+def _throughput(wl, times: list[float], metrics: list[dict], gc_summary: dict, gc_freeze: bool) -> dict:
     step_s = statistics.median(times)
     rows = int(statistics.median(m.get("rows", wl.rows) for m in metrics))
     tokens = statistics.median(m["tokens_generated"] for m in metrics)
@@ -206,10 +209,9 @@ def _throughput(wl, times: list[float], metrics: list[dict]) -> dict:
         "tokens_generated": tokens,
         "responses_per_s": rows / step_s,
         "generated_tokens_per_s": tokens / step_s,
-        "gc_during_timed_steps": _GC.summary(),  # this rank's Python garbage collections
-        "gc_freeze": _GC_FREEZE,
+        "gc_during_timed_steps": gc_summary,  # this rank's Python garbage collections
+        "gc_freeze": gc_freeze,
     }
-    _GC.active, _GC.stats = False, {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}
     if "rollout" in phases:
         out["rollout_tokens_per_s"] = tokens / phases["rollout"]
     engine_s = [m["rollout/seconds"] for m in metrics if "rollout/seconds" in m]
@@ -261,11 +263,13 @@ def scenario_colocated(args, device) -> dict:
     state = plan.shard(state)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    state, times, metrics = _run_steps(plan, state, prompts, device, args.steps, args.warmup, args.profile)
+    state, times, metrics, gcs = _run_steps(plan, state, prompts, device, args.steps, args.warmup, args.profile,
+                                             args.gc_freeze)
     out = {"layout": f"actor FSDP({_world_size()}) + rollout DP({_world_size()}), same ranks"
            if _world_size() > 1 else "one process (lowering is the identity)",
            "scaling": "weak" if args.weak else "strong",
-           "params": n_params, "beta": wl.beta, "old_logprobs": wl.old_logprobs, **_throughput(wl, times, metrics)}
+           "params": n_params, "beta": wl.beta, "old_logprobs": wl.old_logprobs,
+           **_throughput(wl, times, metrics, gcs, args.gc_freeze)}
     if device.type == "cuda":
         out["peak_memory_gb_by_rank"] = _gather(torch.cuda.max_memory_allocated(device) / 1e9)
     del state, plan, model
@@ -292,7 +296,8 @@ def scenario_split(args, device) -> dict:
         ref_note = f"NotImplementedError: {exc}"
     state = _init(args, model, state.tokenizer)  # the same weights, no reference
     state = plan.shard(state)
-    state, times, metrics = _run_steps(plan, state, prompts, device, args.steps, args.warmup)
+    state, times, metrics, gcs = _run_steps(plan, state, prompts, device, args.steps, args.warmup,
+                                             gc_freeze=args.gc_freeze)
     mine = {
         "role": "actor" if placement.here("actor") else "rollout",
         "sync_bytes_received": [m.get("sync/bytes", 0.0) for m in metrics],
@@ -312,7 +317,7 @@ def scenario_split(args, device) -> dict:
         "kl_reference_under_split": ref_note,
         "beta": 0.0,
         "old_logprobs": wl.old_logprobs,
-        **_throughput(wl, times, metrics),
+        **_throughput(wl, times, metrics, gcs, args.gc_freeze),
         "sync_bytes_per_step_median": statistics.median(per_step_bytes),
         "sync_seconds_per_step_median": statistics.median(per_step_seconds),
         "sync_bytes_sent_last_step": sum(r["bytes_sent_last"] for r in ranks),
@@ -692,8 +697,6 @@ def main(argv=None):
     ap.add_argument("--weak", action="store_true",
                     help="colocated: weak scaling, a global batch of N times the workload's (each rank does one GPU's work)")
     args = ap.parse_args(argv)
-    global _GC_FREEZE
-    _GC_FREEZE = args.gc_freeze
     if args.compare:
         return compare(*args.compare)
     from rlkit.parallel import shutdown
