@@ -328,7 +328,10 @@ def shares_prompts(device: torch.device | str) -> bool:
     return device.type == "cuda" and USE_VARLEN_ATTENTION and _varlen_fn() is not None
 
 
-def _can_share(backbone: nn.Module) -> bool:
+def _full_attention_packed(backbone: nn.Module) -> bool:
+    """The model can run a custom packed layout: full causal attention in every layer (no sliding
+    window, no gradient checkpointing) through an implementation that reads packed positions.
+    What both shared prompts and varlen attention need."""
     config = getattr(backbone, "config", None)
     if config is None or getattr(backbone, "is_gradient_checkpointing", False) or getattr(config, "use_sliding_window", False):
         return False
@@ -338,19 +341,15 @@ def _can_share(backbone: nn.Module) -> bool:
 
 
 def _can_use_varlen(backbone: nn.Module, device: torch.device, tokens: int = 0) -> bool:
-    config = getattr(backbone, "config", None)
-    if not USE_VARLEN_ATTENTION or config is None or device.type not in ("cuda", "cpu"):
-        return False
-    if getattr(backbone, "is_gradient_checkpointing", False) or getattr(config, "use_sliding_window", False):
-        return False
-    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
+    if not USE_VARLEN_ATTENTION or device.type not in ("cuda", "cpu") or not _full_attention_packed(backbone):
         return False
     if device.type == "cpu" and tokens <= CPU_DENSE_MASK_MAX_TOKENS:
         return False
     _varlen_options()
+    config = backbone.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     # the dtype is checked per call: under FSDP mixed precision parameters are float32 but compute is bf16
-    return head_dim <= 256 and getattr(config, "_attn_implementation", None) in PACKED_ATTENTION
+    return head_dim <= 256
 
 
 @contextlib.contextmanager
@@ -535,7 +534,7 @@ def response_hidden(
         share = SHARE_PROMPTS if share_prompts is None else share_prompts
         if share == "auto":
             share = shares_prompts(prompt_ids.device)
-        if share and _can_share(backbone):
+        if share and _full_attention_packed(backbone):
             view = shared_prefix(prompt_ids, prompt_mask, response_ids, response_mask)
             if view is not None:
                 inputs = dict(input_ids=view.input_ids[None], position_ids=view.position_ids[None], attention_mask=None, use_cache=False)
