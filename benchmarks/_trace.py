@@ -3,7 +3,7 @@
     python benchmarks/_trace.py trace.json.gz
 
 For every phase range (the ``record_function`` names that ``_workload.Clock`` opens: rollout,
-score_advantage, old_logprobs, ref_logprobs, update) it prints the range's wall time and, on the
+score_advantage, old_logprobs, ref_logprobs, passes_score, update) it prints the range's wall time and, on the
 GPU inside that range: the busy time (union of all kernel intervals), the time of communication
 kernels (NCCL) and of the rest, how much of the communication ran alongside other kernels, and
 the idle time (range wall minus busy). The top kernels by total time follow. Idle time means the
@@ -17,7 +17,7 @@ import collections
 import gzip
 import json
 
-PHASES = ("rollout", "score_advantage", "old_logprobs", "ref_logprobs", "update")
+PHASES = ("rollout", "score_advantage", "old_logprobs", "ref_logprobs", "passes_score", "update")
 
 
 def _load(path: str) -> list[dict]:
@@ -40,7 +40,9 @@ def _clip(intervals, lo, hi):
     return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
 
 
-def summarise(events: list[dict], top: int = 15) -> dict:
+def summarise(events: list[dict], top: int = 15, per_phase: int = 0) -> dict:
+    """Phase rows and the top kernels; with ``per_phase`` > 0 also each phase's own top
+    ``per_phase`` kernels (by time inside the phase) and its kernel count."""
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
     ranges = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name") in PHASES]
     is_comm = lambda e: "nccl" in e["name"].lower()  # noqa: E731
@@ -60,6 +62,14 @@ def summarise(events: list[dict], top: int = 15) -> dict:
             "comm_exposed_ms": (busy - comp_t) / 1e3,
             "idle_ms": (r["dur"] - busy) / 1e3,
         }
+        if per_phase:
+            inside = [e for e in kernels if e["ts"] >= lo and e["ts"] + e["dur"] <= hi]
+            names = collections.defaultdict(lambda: [0.0, 0])
+            for e in inside:
+                names[e["name"]][0] += e["dur"]
+                names[e["name"]][1] += 1
+            rows[r["name"]]["kernels"] = len(inside)
+            rows[r["name"]]["top"] = [(n[:90], t / 1e3, c) for n, (t, c) in sorted(names.items(), key=lambda kv: -kv[1][0])[:per_phase]]
     by_name = collections.defaultdict(lambda: [0.0, 0])
     for e in kernels:
         by_name[e["name"]][0] += e["dur"]
@@ -76,14 +86,20 @@ def print_summary(s: dict) -> None:
     print(f"\n{'kernel (top by total time)':<92}{'ms':>9}{'calls':>8}")
     for name, ms, calls in s["top_kernels"]:
         print(f"{name:<92}{ms:>9.1f}{calls:>8}")
+    for phase, row in s["phases"].items():
+        if "top" in row:
+            print(f"\n{phase}: {row['kernels']} kernels")
+            for name, ms, calls in row["top"]:
+                print(f"  {name:<90}{ms:>9.2f}{calls:>8}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--per-phase", type=int, default=0, metavar="K", help="also each phase's top K kernels")
     args = ap.parse_args()
-    print_summary(summarise(_load(args.trace), args.top))
+    print_summary(summarise(_load(args.trace), args.top, args.per_phase))
 
 
 if __name__ == "__main__":

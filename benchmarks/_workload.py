@@ -37,6 +37,9 @@ class Workload:
     logprob_micro_batch: int | None  # rows per forward-only log-prob pass (None: all at once)
     dtype: torch.dtype
     lr: float = 1e-6
+    # queue the log-prob passes before scoring (they never wait for the GPU) and decode and score
+    # on the host while the GPU runs them; False times every phase on its own, serially
+    overlap: bool = True
 
     @property
     def rows(self) -> int:
@@ -159,6 +162,11 @@ def grpo_phases(state, prompts, wl: Workload, clock: Clock, reward_fn, *, beta: 
     """One GRPO step through rlkit's transforms, each phase timed by ``clock``: rollout -> score ->
     advantage("grpo") -> [old log-probs] -> [ref log-probs when beta] -> update("ppo_clip").
 
+    With ``wl.overlap`` the order is rollout (responses left as token ids) -> [old] -> [ref] ->
+    score (decoding the responses) -> advantage -> update, and the middle three are one phase
+    ("passes_score"): the passes are queued without waiting for the GPU, so decoding and the
+    reward run on the host meanwhile; the phase ends when the GPU is done.
+
     The old-policy log-probs follow ``wl.old_logprobs``: True a separate pass (where ``old_pass``;
     split placement's rollout ranks skip it), "current" the update's own forward, False the
     rollout's. Returns ``(state, batch, update metrics)``."""
@@ -169,15 +177,24 @@ def grpo_phases(state, prompts, wl: Workload, clock: Clock, reward_fn, *, beta: 
     from rlkit.transforms.update import update
 
     with clock("rollout"):
-        batch = rollout(state, prompts, n=wl.n, max_new_tokens=wl.max_new_tokens, ignore_stop=wl.ignore_eos)
-    with clock("score_advantage"):
-        batch = advantage(score(batch, reward_fn), "grpo")
-    if wl.old_logprobs is True and old_pass:
-        with clock("old_logprobs"):
-            batch = compute_old_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
-    if beta:
-        with clock("ref_logprobs"):
-            batch = compute_ref_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
+        batch = rollout(state, prompts, n=wl.n, max_new_tokens=wl.max_new_tokens, ignore_stop=wl.ignore_eos,
+                        decode=not wl.overlap)
+    if wl.overlap:
+        with clock("passes_score"):
+            if wl.old_logprobs is True and old_pass:
+                batch = compute_old_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
+            if beta:
+                batch = compute_ref_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
+            batch = advantage(score(batch, reward_fn, tokenizer=state.tokenizer), "grpo")
+    else:
+        with clock("score_advantage"):
+            batch = advantage(score(batch, reward_fn), "grpo")
+        if wl.old_logprobs is True and old_pass:
+            with clock("old_logprobs"):
+                batch = compute_old_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
+        if beta:
+            with clock("ref_logprobs"):
+                batch = compute_ref_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
     with clock("update"):
         state, metrics = update(state, batch, loss="ppo_clip", kl=("low_var_kl", beta) if beta else None,
                                 micro_batch_size=micro_batch, old="current" if wl.old_logprobs == "current" else "batch")

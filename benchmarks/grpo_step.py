@@ -76,13 +76,36 @@ def grpo_step(state, prompts, wl, device):
         state, batch, metrics = grpo_phases(state, prompts, wl, clock, reward, beta=wl.beta, micro_batch=wl.micro_batch)
         if "old_logprobs" in batch.keys():
             mask = batch["response_mask"].float()
-            diff = batch["old_logprobs"] - batch["logprobs"]
+            diff = batch["old_logprobs"].cpu() - batch["logprobs"]
             extra["behaviour_gap_mean_abs"] = _masked_mean(diff.abs(), mask)
             extra["behaviour_clipfrac"] = _masked_mean(((diff.exp() - 1).abs() > 0.2).float(), mask)
     tokens = batch["prompt_mask"].sum() + batch["response_mask"].sum()
     metrics = {**rollout_metrics(batch), **metrics, **extra, "tokens_total": float(tokens),
                "tokens_generated": float(batch["response_mask"].sum())}
     return state, clock.times, metrics
+
+
+def profile_step(state, prompts, wl, device, path: str):
+    """One more step under ``torch.profiler``; writes the Chrome trace to ``path`` (gzipped when it
+    ends in .gz) and prints ``_trace.py``'s per-phase summary with each phase's top kernels."""
+    import gzip
+    import tempfile
+
+    from _trace import print_summary, summarise
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        state, _, _ = grpo_step(state, prompts, wl, device)
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        prof.export_chrome_trace(tmp.name)
+        with open(tmp.name, "rb") as src, (gzip.open if path.endswith(".gz") else open)(path, "wb") as dst:
+            dst.write(src.read())
+        with open(tmp.name) as f:
+            print(f"-- profiled step, trace {os.path.basename(path)}", flush=True)
+            print_summary(summarise(json.load(f)["traceEvents"], per_phase=12))
+    return state
 
 
 # ------------------------------------------------------------------------------------- checks
@@ -372,6 +395,7 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
     from rlkit.models import logprobs as L
 
     configs = [
+        ("phases one at a time (per-phase times)", dict(overlap=False), None),
         ("old = the update's own forward, detached (TRL's path for one iteration)", dict(old_logprobs="current"), None),
         ("old = rollout log-probs (no separate old pass)", dict(old_logprobs=False), None),
     ]
@@ -419,10 +443,16 @@ def print_table(res: dict, trl: dict | None) -> None:
         ("step time (median)", f"{res['step_seconds_median']:.3f} s"),
         ("  rollout (generate + sync + batch)", f"{res['phase_seconds_median']['rollout']:.3f} s"),
     ]
+    if "passes_score" in res["phase_seconds_median"]:
+        rows.append(("  log-prob passes, scoring under them", f"{res['phase_seconds_median']['passes_score']:.3f} s"))
+    serial = (res.get("configs") or {}).get("phases one at a time (per-phase times)", {})
     for k in ("old_logprobs", "ref_logprobs"):
         if k in res["phase_seconds_median"]:
             pct = f", {res[k + '_pct_ceiling']:.0f}% of ceiling" if k + "_pct_ceiling" in res else ""
             rows.append((f"  {k.replace('_', ' ')} pass", f"{res[k + '_s']:.3f} s ({res[k + '_tflops']:.1f} TFLOP/s{pct})"))
+        elif k in serial.get("phase_seconds_median", {}):
+            pct = f", {serial[k + '_pct_ceiling']:.0f}% of ceiling" if k + "_pct_ceiling" in serial else ""
+            rows.append((f"  {k.replace('_', ' ')} pass (timed alone)", f"{serial['phase_seconds_median'][k]:.3f} s{pct}"))
     pct = f", {res['update_pct_ceiling']:.0f}% of ceiling" if "update_pct_ceiling" in res else ""
     rows += [
         ("  update (fwd+bwd+AdamW)", f"{res['phase_seconds_median']['update']:.3f} s ({res['update_tflops']:.1f} TFLOP/s{pct})"),
@@ -473,6 +503,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--engine-only", action="store_true", help="with --variants: time the engine variants only, then stop")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", default=None, help="also write the result JSON here")
+    ap.add_argument("--profile", metavar="TRACE.json.gz", default=None,
+                    help="after the timed steps, trace one more step with torch.profiler, write its Chrome trace here "
+                         "and print each phase's GPU time and top kernels (benchmarks/_trace.py)")
     args = ap.parse_args(argv)
     started = time.perf_counter()
     if args.threads:
@@ -528,6 +561,8 @@ def main(argv=None) -> dict:
             times.append(t)
             metrics.append(m)
     res = summarize(wl, times, metrics, n_params, ceilings, device)
+    if args.profile:
+        state = profile_step(state, prompts, wl, device, args.profile)
     if gpu:
         res["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
     result.update(res)

@@ -137,3 +137,8 @@ def test_trace_summary_hand_worked():
     assert row == pytest.approx(expected)
     top = _trace.summarise(events)["top_kernels"]
     assert top[0][0] == "gemm" and top[0][1] == pytest.approx(0.04) and top[0][2] == 2
+    # per phase: only the kernels inside the phase, ranked by their time there
+    row = _trace.summarise(events, per_phase=2)["phases"]["update"]
+    assert row["kernels"] == 3
+    assert [(n, c) for n, _, c in row["top"]] == [("gemm", 2), ("ncclDevKernel_AllGather", 1)]
+    assert row["top"][0][1] == pytest.approx(0.04) and row["top"][1][1] == pytest.approx(0.04)

@@ -499,6 +499,90 @@ def _check_inputs(prompt_ids, prompt_mask, response_ids, response_mask) -> None:
         raise ValueError("response_mask is not right-padded (a real token follows a pad); build batches with rlkit.make_batch")
 
 
+@dataclass
+class ResponseView:
+    """Where a batch's response tokens sit in the model input: the packing (or shared-prompt)
+    layout, the response tokens in row-major order (``targets``) and their flat positions in the
+    ``(b t)`` output (``scatter_index``).
+
+    Built by :func:`response_view` from the masks alone. Built from CPU tensors (a Batch lives on
+    the CPU) it costs the device nothing: every size the layout needs is read on the host, and
+    :meth:`to` moves its tensors through pinned memory without waiting for the device. A
+    log-prob pass given a view therefore never synchronises with the GPU, so the host can queue
+    the next pass, or score rewards, while the GPU works."""
+
+    kind: str  # "shared", "packed" (varlen attention or transformers' packed mask), "padded"
+    view: Any  # SharedPrefix | rlkit.batch.Packed | None (padded)
+    varlen: bool  # packed: through varlen flash attention
+    targets: torch.Tensor  # (m) response tokens, row-major over response_mask
+    scatter_index: torch.Tensor  # (m) their flat positions in (b t)
+    shape: tuple[int, int]  # (b, t)
+
+    def to(self, device: torch.device | str) -> "ResponseView":
+        device = torch.device(device)
+
+        def move(x):
+            return to_device(x, device) if isinstance(x, torch.Tensor) else x
+
+        view = self.view
+        if view is not None:
+            view = type(view)(**{f: move(getattr(view, f)) for f in view.__dataclass_fields__})
+        return ResponseView(self.kind, view, self.varlen, move(self.targets), move(self.scatter_index), self.shape)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; from the CPU to CUDA through pinned memory without a host sync (a
+    plain ``.to`` from pageable memory waits for the whole stream)."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def response_view(
+    backbone: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    device: torch.device | str | None = None,
+    layout: str = "packed",
+    share_prompts: bool | str | None = None,
+) -> ResponseView:
+    """The :class:`ResponseView` of a batch for ``backbone`` computing on ``device`` (default:
+    where the tensors are). Checks the masks (left-padded prompts, right-padded responses) and
+    picks the layout the way :func:`response_hidden` does; built where the tensors are, then
+    moved to ``device``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    _check_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    device = torch.device(device) if device is not None else prompt_ids.device
+    prompt_mask, response_mask = prompt_mask.bool(), response_mask.bool()
+    targets = response_ids[response_mask]
+    scatter_index = response_mask.flatten().nonzero().flatten()
+    shape = tuple(response_mask.shape)
+    out = ResponseView("padded", None, False, targets, scatter_index, shape)
+    if layout == "packed":
+        attn = getattr(getattr(backbone, "config", None), "_attn_implementation", "sdpa")
+        if attn not in PACKED_ATTENTION:
+            raise ValueError(
+                f"layout='packed' needs an attention implementation that reads packed position_ids "
+                f"({', '.join(PACKED_ATTENTION)}); the model uses {attn!r}: pass layout='padded'"
+            )
+        share = SHARE_PROMPTS if share_prompts is None else share_prompts
+        if share == "auto":
+            share = shares_prompts(device)
+        view = shared_prefix(prompt_ids, prompt_mask, response_ids, response_mask) if share and _full_attention_packed(backbone) else None
+        if view is not None:
+            out = ResponseView("shared", view, True, targets, scatter_index, shape)
+        else:
+            view = packed({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids, "response_mask": response_mask})
+            out = ResponseView("packed", view, _can_use_varlen(backbone, device, view.input_ids.numel()), targets, scatter_index, shape)
+    return out.to(device)
+
+
 def response_hidden(
     backbone: nn.Module,
     prompt_ids: torch.Tensor,
@@ -507,6 +591,7 @@ def response_hidden(
     response_mask: torch.Tensor,
     layout: str = "packed",
     share_prompts: bool | str | None = None,
+    view: ResponseView | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Final hidden states at the positions that predict response tokens.
 
@@ -520,47 +605,38 @@ def response_hidden(
     attention mask is given; on CUDA varlen flash attention over ``cu_seqlens`` is used instead
     (no ``(n n)`` mask, see the module docstring). ``layout="padded"``: the ``(b p+t)`` batch with its attention mask
     and ``position_ids = cumsum(mask) - 1``.
+
+    ``view``: the batch's :class:`ResponseView`, built beforehand (e.g. on the CPU, see
+    :func:`response_view`); ``layout`` and ``share_prompts`` are then the view's.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    prompt_mask, response_mask = prompt_mask.bool(), response_mask.bool()
-    if layout == "packed":
-        attn = getattr(getattr(backbone, "config", None), "_attn_implementation", "sdpa")
-        if attn not in PACKED_ATTENTION:
-            raise ValueError(
-                f"layout='packed' needs an attention implementation that reads packed position_ids "
-                f"({', '.join(PACKED_ATTENTION)}); the model uses {attn!r}: pass layout='padded'"
-            )
-        share = SHARE_PROMPTS if share_prompts is None else share_prompts
-        if share == "auto":
-            share = shares_prompts(prompt_ids.device)
-        if share and _full_attention_packed(backbone):
-            view = shared_prefix(prompt_ids, prompt_mask, response_ids, response_mask)
-            if view is not None:
-                inputs = dict(input_ids=view.input_ids[None], position_ids=view.position_ids[None], attention_mask=None, use_cache=False)
-                with _attention_implementation(backbone.config, _SHARED_NAME):
-                    out = backbone(**inputs, rlkit_shared_prefix=view)
-                return out.last_hidden_state[0][view.predict_index], response_ids[response_mask]
-        view = packed(
-            {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids, "response_mask": response_mask}
-        )
-        inputs = dict(input_ids=view.input_ids[None], position_ids=view.position_ids[None], attention_mask=None, use_cache=False)
-        if _can_use_varlen(backbone, view.input_ids.device, view.input_ids.numel()):
-            cu = view.cu_seqlens.to(torch.int32)
-            lengths = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=view.max_seqlen, max_length_k=view.max_seqlen)
+    if view is None:
+        view = response_view(backbone, prompt_ids, prompt_mask, response_ids, response_mask, layout=layout, share_prompts=share_prompts)
+    if view.kind == "shared":
+        v = view.view
+        inputs = dict(input_ids=v.input_ids[None], position_ids=v.position_ids[None], attention_mask=None, use_cache=False)
+        with _attention_implementation(backbone.config, _SHARED_NAME):
+            out = backbone(**inputs, rlkit_shared_prefix=v)
+        return out.last_hidden_state[0][v.predict_index], view.targets
+    if view.kind == "packed":
+        v = view.view
+        inputs = dict(input_ids=v.input_ids[None], position_ids=v.position_ids[None], attention_mask=None, use_cache=False)
+        if view.varlen:
+            cu = v.cu_seqlens.to(torch.int32)
+            lengths = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=v.max_seqlen, max_length_k=v.max_seqlen)
             with _attention_implementation(backbone.config, _VARLEN_NAME):
                 out = backbone(**inputs, **lengths)
         else:
             out = backbone(**inputs)
         hidden = out.last_hidden_state[0]
-        return hidden[view.response_index - 1], view.input_ids[view.response_index]
+        return hidden[v.response_index - 1], view.targets
+    prompt_mask, response_mask = prompt_mask.bool(), response_mask.bool()
     ids = torch.cat([prompt_ids, response_ids], dim=1)
     mask = torch.cat([prompt_mask, response_mask], dim=1)
     position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
     out = backbone(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids, use_cache=False)
     p, t = prompt_ids.shape[1], response_ids.shape[1]
     hidden = out.last_hidden_state[:, p - 1 : p + t - 1]
-    return hidden[response_mask], response_ids[response_mask]
+    return hidden[response_mask], view.targets
 
 
 def token_logprobs(
@@ -589,9 +665,12 @@ def _chunked(fn: Callable, hidden: torch.Tensor, targets: torch.Tensor, chunk_to
     return outs
 
 
-def _scatter(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(response_mask.shape, dtype=torch.float32, device=values.device)
-    return out.masked_scatter(response_mask, values.float())
+def _scatter(values: torch.Tensor, view: ResponseView) -> torch.Tensor:
+    """``(m)`` per-response-token values -> ``(b t)`` float32, 0 elsewhere (an index copy: a
+    boolean-mask scatter would read the mask's count on the host)."""
+    b, t = view.shape
+    out = torch.zeros(b * t, dtype=torch.float32, device=values.device)
+    return out.index_copy(0, view.scatter_index, values.float()).view(b, t)
 
 
 class LogprobModule(nn.Module):
@@ -630,16 +709,17 @@ class LogprobModule(nn.Module):
         with_entropy: bool = False,
         chunk_tokens: int = 4096,
         layout: str = "packed",
+        view: ResponseView | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not temperature > 0:
             raise ValueError(
                 f"temperature must be > 0 for log-probs, got {temperature}; greedy rollouts report temperature-1 "
                 "log-probs, so pass temperature=1.0"
             )
-        _check_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
-        hidden, targets = response_hidden(
-            self.model.base_model, prompt_ids, prompt_mask, response_ids, response_mask, layout
-        )
+        backbone = self.model.base_model
+        if view is None:
+            view = response_view(backbone, prompt_ids, prompt_mask, response_ids, response_mask, layout=layout)
+        hidden, targets = response_hidden(backbone, prompt_ids, prompt_mask, response_ids, response_mask, view=view)
         head = self.model.get_output_embeddings()
 
         def fn(h: torch.Tensor, y: torch.Tensor):
@@ -647,12 +727,11 @@ class LogprobModule(nn.Module):
             return (logprobs, entropy) if with_entropy else (logprobs,)
 
         chunks = _chunked(fn, hidden, targets, chunk_tokens)
-        mask = response_mask.bool()
         if not chunks:  # no response token at all
-            zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+            zeros = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
             return zeros, (zeros.clone() if with_entropy else None)
-        logprobs = _scatter(torch.cat([c[0] for c in chunks]), mask)
-        entropy = _scatter(torch.cat([c[1] for c in chunks]), mask) if with_entropy else None
+        logprobs = _scatter(torch.cat([c[0] for c in chunks]), view)
+        entropy = _scatter(torch.cat([c[1] for c in chunks]), view) if with_entropy else None
         return logprobs, entropy
 
 
@@ -683,14 +762,17 @@ class ValueModule(nn.Module):
         response_mask: torch.Tensor,
         *,
         layout: str = "packed",
+        view: ResponseView | None = None,
     ) -> torch.Tensor:
-        _check_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
-        hidden, _ = response_hidden(self.critic.base_model, prompt_ids, prompt_mask, response_ids, response_mask, layout)
+        backbone = self.critic.base_model
+        if view is None:
+            view = response_view(backbone, prompt_ids, prompt_mask, response_ids, response_mask, layout=layout)
+        hidden, _ = response_hidden(backbone, prompt_ids, prompt_mask, response_ids, response_mask, view=view)
         dropout = getattr(self.critic, "dropout", None)
         if isinstance(dropout, nn.Module):
             hidden = dropout(hidden)
         values = self.critic.score(hidden).squeeze(-1)
-        return _scatter(values, response_mask.bool())
+        return _scatter(values, view)
 
 
 def response_logprobs(
@@ -704,11 +786,14 @@ def response_logprobs(
     with_entropy: bool = False,
     chunk_tokens: int = 4096,
     layout: str = "packed",
+    view: ResponseView | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``(b t)`` f32 of the response tokens under ``model`` (and entropies if asked).
 
     ``model``: a causal LM, or a :class:`LogprobModule` (possibly FSDP-wrapped) to call as is.
     Gradients flow to the model's parameters. See :class:`LogprobModule` for the formula.
+    ``view``: the batch's :class:`ResponseView` built beforehand (:func:`response_view`, e.g.
+    from the CPU copy of the masks: then the call never waits for the GPU).
     """
     from rlkit.models.compile import eager_fallback
 
@@ -722,6 +807,7 @@ def response_logprobs(
         with_entropy=with_entropy,
         chunk_tokens=chunk_tokens,
         layout=layout,
+        view=view,
     ))
 
 
@@ -733,9 +819,20 @@ def values_for_response(
     response_mask: torch.Tensor,
     *,
     layout: str = "packed",
+    view: ResponseView | None = None,
 ) -> torch.Tensor:
     """Critic values ``(b t)`` f32 aligned with the response tokens (0 where masked)."""
     from rlkit.models.compile import eager_fallback
 
     module = critic if isinstance(critic, ValueModule) else ValueModule(critic)
-    return eager_fallback(module, lambda: module(prompt_ids, prompt_mask, response_ids, response_mask, layout=layout))
+    return eager_fallback(module, lambda: module(prompt_ids, prompt_mask, response_ids, response_mask, layout=layout, view=view))
+
+
+def backbone_of(model: nn.Module) -> nn.Module:
+    """The transformer body that :func:`response_view` decides a layout for: of a causal LM, a
+    critic, or their :class:`LogprobModule` / :class:`ValueModule` wrappers."""
+    if isinstance(model, LogprobModule):
+        model = model.model
+    elif isinstance(model, ValueModule):
+        model = model.critic
+    return model.base_model

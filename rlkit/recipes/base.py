@@ -52,10 +52,28 @@ class Recipe:
         return replace(self, **changes)
 
     def sample(self, state, prompts, **kw) -> Batch:
+        """The rollout, responses left as token ids: :meth:`score` decodes them, after the device
+        passes are queued (decoding is host work the GPU need not wait for)."""
         from rlkit.transforms.rollout import rollout
 
         return rollout(state, prompts, n=self.n, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                       top_p=self.top_p, engine=self.engine, **kw)
+                       top_p=self.top_p, engine=self.engine, **{"decode": False, **kw})
+
+    def score(self, state, batch: Batch, reward) -> Batch:
+        from rlkit.transforms.score import score
+
+        return score(batch, reward, tokenizer=state.tokenizer)
+
+    def device_passes(self, state, batch: Batch) -> Batch:
+        """The forward passes the update will need (reference log-probs under a KL penalty),
+        queued before the host scores the batch: they never wait for the device, so reward
+        functions run on the CPU while the GPU computes them (the update would otherwise run
+        them after scoring, serially)."""
+        if self.needs_ref() and state.ref is not None:
+            from rlkit.transforms.forward import compute_ref_logprobs
+
+            batch = compute_ref_logprobs(state, batch, temperature=self.temperature, micro_batch_size=self.micro_batch_size)
+        return batch
 
     def update_kwargs(self) -> dict[str, Any]:
         return dict(loss=self.loss, loss_kw=self.loss_kw, agg=self.agg, kl=self.kl, entropy_coef=self.entropy_coef,

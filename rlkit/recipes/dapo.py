@@ -17,7 +17,6 @@ from rlkit.recipes.base import Recipe, reward_metrics
 from rlkit.state import fold_in
 from rlkit.transforms.advantage import advantage
 from rlkit.transforms.rollout import concat, rollout_metrics
-from rlkit.transforms.score import score
 from rlkit.transforms.update import update
 
 
@@ -51,7 +50,7 @@ class DAPO(Recipe):
         target = len(prompts) * self.n
         while attempts < self.max_attempts and sum(b.batch_size[0] for b in kept) < target:
             seed = fold_in(state.seed, state.step, "dapo", attempts)
-            batch = score(self.sample(state, prompts, seed=seed), reward)
+            batch = self.score(state, self.sample(state, prompts, seed=seed), reward)
             if self.overlong_buffer:
                 pen = overlong_penalty(batch["response_mask"].sum(-1), self.max_new_tokens, self.overlong_buffer, self.overlong_factor)
                 batch.set("rewards", batch["rewards"] + pen)

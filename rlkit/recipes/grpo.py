@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from rlkit.recipes.base import Recipe, reward_metrics
 from rlkit.transforms.advantage import advantage
 from rlkit.transforms.rollout import rollout_metrics
-from rlkit.transforms.score import score
 from rlkit.transforms.update import update
 
 
@@ -21,8 +20,8 @@ class GRPO(Recipe):
     estimator: str = "grpo"
 
     def step(self, state, prompts, reward):
-        batch = self.sample(state, prompts)
-        batch = score(batch, reward)
+        batch = self.device_passes(state, self.sample(state, prompts))  # queued: the GPU runs them while score runs
+        batch = self.score(state, batch, reward)
         batch = advantage(batch, self.estimator)
         state, metrics = update(state, batch, **self.update_kwargs())
         return state, {**rollout_metrics(batch), **reward_metrics(batch), **metrics}

@@ -13,7 +13,6 @@ from rlkit.recipes.base import Recipe, reward_metrics
 from rlkit.transforms.advantage import advantage
 from rlkit.transforms.forward import compute_values
 from rlkit.transforms.rollout import rollout_metrics
-from rlkit.transforms.score import score
 from rlkit.transforms.update import update
 
 
@@ -30,7 +29,7 @@ class PPO(Recipe):
     def step(self, state, prompts, reward):
         if state.critic is None:
             raise ValueError("the PPO recipe needs a critic: rk.init(model, critic=rk.models.critic(model))")
-        batch = score(self.sample(state, prompts), reward)
+        batch = self.score(state, self.sample(state, prompts), reward)
         batch = compute_values(state, batch, micro_batch_size=self.micro_batch_size)
         batch = advantage(batch, "gae", gamma=self.gamma, lam=self.lam)
         state, metrics = update(state, batch, value_clip=self.value_clip, **self.update_kwargs())

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from rlkit.recipes.base import Recipe, reward_metrics
 from rlkit.transforms.advantage import advantage
 from rlkit.transforms.rollout import rollout_metrics
-from rlkit.transforms.score import score
 from rlkit.transforms.update import update
 
 
@@ -20,7 +19,7 @@ class CriticFree(Recipe):
     estimator: str = "rloo"
 
     def step(self, state, prompts, reward):
-        batch = score(self.sample(state, prompts), reward)
+        batch = self.score(state, self.device_passes(state, self.sample(state, prompts)), reward)
         batch = advantage(batch, self.estimator)
         state, metrics = update(state, batch, **self.update_kwargs())
         return state, {**rollout_metrics(batch), **reward_metrics(batch), **metrics}

@@ -16,13 +16,18 @@ def _micro(batch: Batch, micro_batch_size: int | None):
         yield slice(i, min(b, i + size))
 
 
-def _inputs(mb: Batch, device):
-    return (
-        mb["prompt_ids"].to(device),
-        mb["prompt_mask"].to(device),
-        mb["response_ids"].to(device),
-        mb["response_mask"].to(device),
-    )
+_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+
+
+def _inputs(mb: Batch, model, device) -> dict:
+    """The four model inputs on ``device`` and the rows' :class:`rlkit.models.logprobs.ResponseView`,
+    built where the batch lives (the CPU for a rollout's batch: no device sync) and copied over
+    without waiting for the device; the GPU can still be busy with the previous pass."""
+    from rlkit.models.logprobs import backbone_of, response_view, to_device
+
+    tensors = [mb[k] for k in _INPUTS]
+    view = response_view(backbone_of(model), *tensors, device=device)
+    return {**{k: to_device(t, device) for k, t in zip(_INPUTS, tensors)}, "view": view}
 
 
 def _sharded_map(state, batch: Batch, fn):
@@ -57,7 +62,9 @@ def module_device(model) -> torch.device:
 
 @torch.no_grad()
 def model_logprobs(model, batch: Batch, *, temperature: float = 1.0, micro_batch_size: int | None = None, with_entropy: bool = False):
-    """(b t) log-probs (and entropy) of the batch's responses under ``model``."""
+    """(b t) log-probs (and entropy) of the batch's responses under ``model``, on the model's
+    device. The pass never waits for the device: it is queued and returned (read the result
+    to wait for it), so the host can prepare the next pass or score rewards meanwhile."""
     from rlkit.models.logprobs import response_logprobs
 
     validate(batch, require=("prompt_ids", "prompt_mask", "response_ids", "response_mask"))
@@ -67,14 +74,14 @@ def model_logprobs(model, batch: Batch, *, temperature: float = 1.0, micro_batch
     out_lp, out_ent = [], []
     try:
         for sl in _micro(batch, micro_batch_size):
-            lp, ent = response_logprobs(model, *_inputs(batch[sl], device), temperature=temperature, with_entropy=with_entropy)
+            lp, ent = response_logprobs(model, **_inputs(batch[sl], model, device), temperature=temperature, with_entropy=with_entropy)
             out_lp.append(lp.float())
             if with_entropy:
                 out_ent.append(ent.float())
     finally:
         model.train(was_training)
-    lp = torch.cat(out_lp).to(batch["response_ids"].device if batch["response_ids"].device.type != "meta" else "cpu")
-    return lp, (torch.cat(out_ent).to(lp.device) if with_entropy else None)
+    lp = torch.cat(out_lp)
+    return lp, (torch.cat(out_ent) if with_entropy else None)
 
 
 def compute_old_logprobs(state, batch: Batch, *, temperature: float = 1.0, micro_batch_size: int | None = None) -> Batch:
@@ -111,7 +118,7 @@ def compute_values(state, batch: Batch, *, micro_batch_size: int | None = None) 
     critic.eval()
 
     def run(rows):
-        return torch.cat([values_for_response(critic, *_inputs(rows[sl], device)).float() for sl in _micro(rows, micro_batch_size)]).cpu()
+        return torch.cat([values_for_response(critic, **_inputs(rows[sl], critic, device)).float() for sl in _micro(rows, micro_batch_size)]).cpu()
 
     try:
         values = _sharded_map(state, batch, run)

@@ -55,8 +55,10 @@ def _texts(batch: Batch, name: str, tokenizer) -> list[str]:
     ids_field, mask_field = ("response_ids", "response_mask") if name == "response_text" else ("prompt_ids", "prompt_mask")
     if tokenizer is None:
         raise BatchError(f"batch has no {name!r} column and no tokenizer was given to decode {ids_field}; pass tokenizer=")
-    ids, mask = batch[ids_field], batch[mask_field]
-    return [tokenizer.decode(row[m].tolist(), skip_special_tokens=True) for row, m in zip(ids, mask)]
+    from rlkit.models.tokenizers import decode_batch
+
+    ids, mask = batch[ids_field], batch[mask_field].bool()
+    return decode_batch(tokenizer, [r[m].tolist() for r, m in zip(ids, mask)])
 
 
 def _sample_desc(batch: Batch, i: int, prompts: list[str], completions: list[str]) -> str:

@@ -136,7 +136,7 @@ def update(
     Returns ``(new_state, metrics)`` with loss parts, clip fraction, approx KL, entropy, grad
     norm, learning rate and the train-vs-rollout log-prob gap (``actor/logprob_gap``).
     """
-    from rlkit.models.logprobs import response_logprobs, values_for_response
+    from rlkit.models.logprobs import backbone_of, response_logprobs, response_view, to_device, values_for_response
 
     if not isinstance(state, TrainState):
         raise TypeError(f"update expects a TrainState first (from rk.init), got {type(state).__name__}")
@@ -227,20 +227,25 @@ def update(
             # unshuffled: a slice (views), not an index (a copy of every field)
             mini_batch = batch[order[m0 : m0 + mini]] if order is not None else batch[m0 : m0 + mini]
             mask_all = mini_batch["response_mask"]
-            num_tokens = _global_sum(mask_all.sum().to(device, torch.float32), state)
+            num_tokens = _global_sum(to_device(mask_all.sum().to(torch.float32), device), state)
             # rows without any valid token do not count as sequences (verl's seq-mean-* default)
-            num_seqs = _global_sum((mask_all.sum(-1) > 0).sum().to(device, torch.float32), state)
+            num_seqs = _global_sum(to_device((mask_all.sum(-1) > 0).sum().to(torch.float32), device), state)
             optimizer.zero_grad(set_to_none=True)
             if train_critic:
                 state.critic_optimizer.zero_grad(set_to_none=True)
             for u0 in range(0, mini, micro):
-                mb = mini_batch[u0 : u0 + micro].to(device)
+                rows = mini_batch[u0 : u0 + micro]
+                # the layout from the masks where the batch lives (the CPU: no device sync), and
+                # every field copied without waiting, so the host runs ahead of the GPU
+                view = response_view(backbone_of(actor_module), rows["prompt_ids"], rows["prompt_mask"],
+                                     rows["response_ids"], rows["response_mask"], device=device)
+                mb = {k: to_device(v, device) for k, v in rows.items()}
                 mask = mb["response_mask"]
                 frac = mask.sum().double() / num_tokens.double().clamp(min=1.0)
                 norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
                 logprobs, entropy = response_logprobs(
                     actor_module, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask,
-                    temperature=temperature, with_entropy=True,
+                    temperature=temperature, with_entropy=True, view=view,
                 )
                 extra = {"generator": state.rng("loss", epoch, m0, u0, device=device)} if wants_generator else {}
                 # a user's loss receives only the normalisers it declares
@@ -269,7 +274,9 @@ def update(
                     gap_max = diff.max().double() if gap_max is None else torch.maximum(gap_max, diff.max().double())
                 (total * grad_scale).backward()
                 if train_critic:
-                    values = values_for_response(critic_module, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask)
+                    values = values_for_response(critic_module, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask,
+                                                 view=response_view(backbone_of(critic_module), rows["prompt_ids"], rows["prompt_mask"],
+                                                                    rows["response_ids"], rows["response_mask"], device=device))
                     vf_loss, vf_metrics = value_loss(values, mb["values"], mb["returns"], mask, cliprange_value=value_clip, agg=term_agg, **norm)
                     (critic_coef * vf_loss * grad_scale).backward()
                     record("critic/vf_loss", vf_loss, 1.0)
