@@ -143,18 +143,25 @@ class GcPauses:
 
 
 class Clock:
-    """Wall time of phases, synchronising the device at each boundary (this process only)."""
+    """Wall time of phases, synchronising the device at each boundary (this process only).
+
+    ``clock(name, wait=False)``: the phase ends when the host has queued its work, without waiting
+    for the device; the next phase's time then includes the rest (for work meant to overlap)."""
 
     def __init__(self, device: torch.device):
         self.device, self.times = device, {}
+        self._waited = True
 
     @contextlib.contextmanager
-    def __call__(self, name: str):
-        sync(self.device)
+    def __call__(self, name: str, wait: bool = True):
+        if self._waited:
+            sync(self.device)
         t0 = time.perf_counter()
         with torch.profiler.record_function(name):  # names the phase in a profiler trace (benchmarks/_trace.py)
             yield
-        sync(self.device)
+        if wait:
+            sync(self.device)
+        self._waited = wait
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
 
@@ -165,7 +172,9 @@ def grpo_phases(state, prompts, wl: Workload, clock: Clock, reward_fn, *, beta: 
     With ``wl.overlap`` the order is rollout (responses left as token ids) -> [old] -> [ref] ->
     score (decoding the responses) -> advantage -> update, and the middle three are one phase
     ("passes_score"): the passes are queued without waiting for the GPU, so decoding and the
-    reward run on the host meanwhile; the phase ends when the GPU is done.
+    reward run on the host meanwhile. Nothing waits for the GPU between that phase and the
+    update (a recipe's step does not either): "passes_score" is the host's time to queue the
+    passes and score, and "update" includes the rest of the passes.
 
     The old-policy log-probs follow ``wl.old_logprobs``: True a separate pass (where ``old_pass``;
     split placement's rollout ranks skip it), "current" the update's own forward, False the
@@ -180,7 +189,7 @@ def grpo_phases(state, prompts, wl: Workload, clock: Clock, reward_fn, *, beta: 
         batch = rollout(state, prompts, n=wl.n, max_new_tokens=wl.max_new_tokens, ignore_stop=wl.ignore_eos,
                         decode=not wl.overlap)
     if wl.overlap:
-        with clock("passes_score"):
+        with clock("passes_score", wait=False):
             if wl.old_logprobs is True and old_pass:
                 batch = compute_old_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
             if beta:

@@ -345,6 +345,11 @@ def profile_decode(model, ids, wl, tokens: int | None = None) -> dict:
 # --------------------------------------------------------------------------------------- main
 
 
+def _passes_spill(wl, phases: dict) -> bool:
+    """Overlapped with log-prob passes queued: the update phase also holds the passes' GPU tail."""
+    return "passes_score" in phases and (wl.old_logprobs is True or bool(wl.beta))
+
+
 def summarize(wl, times_list, metrics_list, n_params, ceilings, device) -> dict:
     med = {k: statistics.median(t[k] for t in times_list) for k in times_list[0]}
     m = metrics_list[-1]
@@ -371,7 +376,8 @@ def summarize(wl, times_list, metrics_list, n_params, ceilings, device) -> dict:
         "clipfrac_vs_behaviour_step1": metrics_list[0].get("behaviour_clipfrac"),
     }
     update_flops = 6 * n_params * tokens
-    out["update_tflops"] = update_flops / med["update"] / 1e12
+    if not _passes_spill(wl, med):
+        out["update_tflops"] = update_flops / med["update"] / 1e12
     for name in ("old_logprobs", "ref_logprobs"):
         if name in med:
             out[f"{name}_s"] = med[name]
@@ -379,11 +385,16 @@ def summarize(wl, times_list, metrics_list, n_params, ceilings, device) -> dict:
     if ceilings:
         c = ceilings["bf16_matmul_tflops"]
         out["ceiling"] = ceilings
-        out["update_pct_ceiling"] = 100 * out["update_tflops"] / c
+        if "update_tflops" in out:
+            out["update_pct_ceiling"] = 100 * out["update_tflops"] / c
         for name in ("old_logprobs", "ref_logprobs"):
             if f"{name}_tflops" in out:
                 out[f"{name}_pct_ceiling"] = 100 * out[f"{name}_tflops"] / c
     return out
+
+
+#: the configuration that times each phase alone (log-prob passes and update MFU come from it)
+SERIAL = "phases one at a time (per-phase times)"
 
 
 def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dict):
@@ -395,7 +406,7 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
     from rlkit.models import logprobs as L
 
     configs = [
-        ("phases one at a time (per-phase times)", dict(overlap=False), None),
+        (SERIAL, dict(overlap=False), None),
         ("old = the update's own forward, detached (TRL's path for one iteration)", dict(old_logprobs="current"), None),
         ("old = rollout log-probs (no separate old pass)", dict(old_logprobs=False), None),
     ]
@@ -424,7 +435,7 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
             res = summarize(cwl, times, metrics, n_params, ceilings, device)
             out[name] = {k: res[k] for k in res if k in (
                 "step_seconds_median", "phase_seconds_median", "update_tflops", "update_pct_ceiling", "old_logprobs_pct_ceiling",
-                "ref_logprobs_pct_ceiling", "rollout_tokens_per_s", "logprob_gap_mean_abs", "clipfrac_step1", "responses_per_s")}
+                "ref_logprobs_pct_ceiling", "old_logprobs_tflops", "ref_logprobs_tflops", "rollout_tokens_per_s", "logprob_gap_mean_abs", "clipfrac_step1", "responses_per_s")}
             print(f"[{name}] " + json.dumps(out[name]), flush=True)
         except Exception as exc:  # noqa: BLE001
             out[name] = {"error": repr(exc)}
@@ -443,19 +454,24 @@ def print_table(res: dict, trl: dict | None) -> None:
         ("step time (median)", f"{res['step_seconds_median']:.3f} s"),
         ("  rollout (generate + sync + batch)", f"{res['phase_seconds_median']['rollout']:.3f} s"),
     ]
-    if "passes_score" in res["phase_seconds_median"]:
-        rows.append(("  log-prob passes, scoring under them", f"{res['phase_seconds_median']['passes_score']:.3f} s"))
-    serial = (res.get("configs") or {}).get("phases one at a time (per-phase times)", {})
+    phases = res["phase_seconds_median"]
+    serial = (res.get("configs") or {}).get(SERIAL, {})
+    spill = "passes_score" in phases and "update_tflops" not in res
+    if spill:  # overlapped: the passes' GPU time spills into the update phase
+        rows += [("  log-prob passes queued, responses scored (host)", f"{phases['passes_score']:.3f} s"),
+                 ("  update, after the rest of the passes", f"{phases['update']:.3f} s")]
+        if serial:
+            rows.append(("phases one at a time (step)", f"{serial['step_seconds_median']:.3f} s"))
     for k in ("old_logprobs", "ref_logprobs"):
-        if k in res["phase_seconds_median"]:
-            pct = f", {res[k + '_pct_ceiling']:.0f}% of ceiling" if k + "_pct_ceiling" in res else ""
-            rows.append((f"  {k.replace('_', ' ')} pass", f"{res[k + '_s']:.3f} s ({res[k + '_tflops']:.1f} TFLOP/s{pct})"))
-        elif k in serial.get("phase_seconds_median", {}):
-            pct = f", {serial[k + '_pct_ceiling']:.0f}% of ceiling" if k + "_pct_ceiling" in serial else ""
-            rows.append((f"  {k.replace('_', ' ')} pass (timed alone)", f"{serial['phase_seconds_median'][k]:.3f} s{pct}"))
-    pct = f", {res['update_pct_ceiling']:.0f}% of ceiling" if "update_pct_ceiling" in res else ""
+        src = res if k in phases else serial if k in serial.get("phase_seconds_median", {}) else None
+        if src is not None:
+            pct = f", {src[k + '_pct_ceiling']:.0f}% of ceiling" if k + "_pct_ceiling" in src else ""
+            rows.append((f"  {k.replace('_', ' ')} pass", f"{src['phase_seconds_median'][k]:.3f} s ({src[k + '_tflops']:.1f} TFLOP/s{pct})"))
+    src = serial if spill else res
+    if "update_tflops" in src:
+        pct = f", {src['update_pct_ceiling']:.0f}% of ceiling" if "update_pct_ceiling" in src else ""
+        rows.append(("  update (fwd+bwd+AdamW)", f"{src['phase_seconds_median']['update']:.3f} s ({src['update_tflops']:.1f} TFLOP/s{pct})"))
     rows += [
-        ("  update (fwd+bwd+AdamW)", f"{res['phase_seconds_median']['update']:.3f} s ({res['update_tflops']:.1f} TFLOP/s{pct})"),
         ("rollout tokens/s (engine)", f"{res['rollout_tokens_per_s']:,.0f}"),
         ("weight sync", f"{res['weight_sync_s'] * 1e3:.2f} ms ({res['weight_sync_bytes'] / 1e9:.3f} GB)"),
         ("responses/s (whole step)", f"{res['responses_per_s']:,.1f}"),

@@ -107,7 +107,7 @@ def test_weak_scaling_doubles_the_global_batch_and_compares_throughput(two, tmp_
     import _trace
 
     summary = _trace.summarise(_trace._load(str(trace)))
-    assert {"rollout", "score_advantage", "update"} <= set(summary["phases"])
+    assert {"rollout", "passes_score", "update"} <= set(summary["phases"])
     assert "-- profiled step (rank 0 of 2)" in stdout
     assert set(col["gc_during_timed_steps"]) == {"gen0", "gen1", "gen2"}
     assert col["rows"] == 2 * PRESETS["cpu"].rows

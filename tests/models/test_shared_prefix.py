@@ -127,3 +127,62 @@ def test_shared_prompts_on_cuda_run_through_flash_and_give_the_unshared_logprobs
         out[share] = response_logprobs(model, *args)
         assert calls  # both layouts ran through flash attention
     torch.testing.assert_close(out[True], out[False], rtol=0, atol=3e-2)
+
+
+@pytest.mark.parametrize("layout,share", [("packed", True), ("packed", False), ("padded", None)])
+def test_view_built_beforehand_gives_the_same_logprobs_values_and_gradients(layout, share, monkeypatch):
+    # a ResponseView built before the call (what the passes and update do from the CPU batch) is
+    # the layout the call would build itself: same log-probs, entropies, values and gradients
+    torch.manual_seed(0)
+    model = _model()
+    if share is not None:
+        monkeypatch.setattr(L, "SHARE_PROMPTS", share)
+    args = _args()
+    view = L.response_view(L.backbone_of(model), *args, device="cpu", layout=layout)
+    assert view.kind == {"packed": "shared" if share else "packed", "padded": "padded"}[layout]
+    assert torch.equal(view.targets, args[2][args[3].bool()])
+    assert view.shape == tuple(args[3].shape) and view.scatter_index.tolist() == args[3].flatten().nonzero().flatten().tolist()
+    outs = []
+    for v in (None, view):
+        model.zero_grad(set_to_none=True)
+        lp, ent = response_logprobs(model, *args, with_entropy=True, layout=layout, view=v)
+        (lp.sum() + 0.3 * ent.sum()).backward()
+        outs.append((lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][2], outs[1][2]))
+    assert (outs[0][0][~args[3].bool()] == 0).all()  # the scatter leaves padding at 0
+    value_model = critic(model)
+    cview = L.response_view(L.backbone_of(value_model), *args, device="cpu", layout=layout)
+    with torch.no_grad():
+        assert torch.equal(values_for_response(value_model, *args, layout=layout),
+                           values_for_response(value_model, *args, layout=layout, view=cview))
+
+
+def test_response_view_names_the_bad_mask():
+    p_ids, p_mask, r_ids, r_mask = _args()
+    bad = r_mask.clone()
+    bad[0, 0] = False  # a pad before a real token: not right-padded
+    with pytest.raises(ValueError, match="response_mask is not right-padded"):
+        L.response_view(L.backbone_of(_model()), p_ids, p_mask, r_ids, bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_passes_and_update_queue_without_waiting_for_the_gpu():
+    # the log-prob passes over a CPU batch must never synchronise the host with the GPU (so the
+    # host can score rewards while they run): CUDA's sync debug mode raises on any synchronising call
+    model = _model().cuda()
+    state = rk.init(model, rk.optim.adamw(lr=1e-3), ref="copy")
+    batch = make_batch(PROMPTS, RESPONSES, pad_token_id=0)
+    batch.set("logprobs", torch.zeros(batch["response_ids"].shape))
+    rk.compute_ref_logprobs(state, batch)  # warm-up: first calls may allocate pinned blocks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = rk.compute_old_logprobs(state, batch)
+        out = rk.compute_ref_logprobs(state, out)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert out["old_logprobs"].device.type == "cuda" and out["ref_logprobs"].device.type == "cuda"
+    with torch.no_grad():
+        ref = response_logprobs(model, *(t.cuda() for t in _args()))[0]
+    torch.testing.assert_close(out["old_logprobs"], ref)
