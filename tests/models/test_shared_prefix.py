@@ -174,7 +174,9 @@ def test_passes_and_update_queue_without_waiting_for_the_gpu():
     state = rk.init(model, rk.optim.adamw(lr=1e-3), ref="copy")
     batch = make_batch(PROMPTS, RESPONSES, pad_token_id=0)
     batch.set("logprobs", torch.zeros(batch["response_ids"].shape))
-    rk.compute_ref_logprobs(state, batch)  # warm-up: first calls may allocate pinned blocks
+    # warm-up: compiling each model's blocks (actor and reference are separate variants) and the
+    # first pinned blocks may synchronise; later calls must not
+    rk.compute_ref_logprobs(state, rk.compute_old_logprobs(state, batch))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
