@@ -171,7 +171,9 @@ def test_passes_and_update_queue_without_waiting_for_the_gpu():
     # the log-prob passes over a CPU batch must never synchronise the host with the GPU (so the
     # host can score rewards while they run): CUDA's sync debug mode raises on any synchronising call
     model = _model().cuda()
-    state = rk.init(model, rk.optim.adamw(lr=1e-3), ref="copy")
+    # eager blocks: compiled ones hit a device-side index assert with this tiny config (head size
+    # 16) in inductor's launch autotuning, with or without a view built beforehand (open issue)
+    state = rk.init(model, rk.optim.adamw(lr=1e-3), ref="copy", compile=False)
     batch = make_batch(PROMPTS, RESPONSES, pad_token_id=0)
     batch.set("logprobs", torch.zeros(batch["response_ids"].shape))
     # warm-up: compiling each model's blocks (actor and reference are separate variants) and the
