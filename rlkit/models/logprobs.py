@@ -162,9 +162,15 @@ def _segments_to_padded(t: torch.Tensor, cu: torch.Tensor, max_len: int) -> tupl
     return out.transpose(1, 2), row, offset
 
 
+@torch.compiler.disable
 def _padded_segments(q, k, v, q_cu, k_cu, q_max: int, k_max: int, scaling, groups: int) -> torch.Tensor:
     """:func:`_attend_segments` without flash: each segment zero-padded into a batch for SDPA with
-    a causal + key-padding mask, gathered back. Work ``O(s L^2)``, not ``O(n^2)``."""
+    a causal + key-padding mask, gathered back. Work ``O(s L^2)``, not ``O(n^2)``.
+
+    Kept out of compiled blocks (a graph break): inductor fused its searchsorted / index-put
+    into the rotary kernel of a compiled block on CUDA, and that kernel failed a device-side
+    bounds assert on the segment index (float32 model, where flash does not run), while eager
+    gives the right values."""
     q_cu, k_cu = q_cu.long(), k_cu.long()
     qs, row, pos = _segments_to_padded(q, q_cu, q_max)
     ks, _, _ = _segments_to_padded(k, k_cu, k_max)

@@ -190,3 +190,22 @@ def test_passes_and_update_queue_without_waiting_for_the_gpu():
     with torch.no_grad():
         ref = response_logprobs(model, *(t.cuda() for t in _args()))[0]
     torch.testing.assert_close(out["old_logprobs"], ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_blocks_equal_eager_for_a_float32_model_on_cuda():
+    # float32 on CUDA takes the padded-segments attention (no flash); compiled blocks once hit a
+    # device-side assert there (inductor fused the segment gather into the rotary kernel)
+    from rlkit.models.compile import compile_layers
+
+    torch.manual_seed(0)
+    model = _model().cuda()
+    compiled = copy.deepcopy(model)
+    compile_layers(compiled)
+    args = [t.cuda() for t in _args()]
+    with torch.no_grad():
+        lp, ent = response_logprobs(model, *args, with_entropy=True)
+        lp_c, ent_c = response_logprobs(compiled, *args, with_entropy=True)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(lp_c, lp, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ent_c, ent, atol=1e-4, rtol=1e-4)
