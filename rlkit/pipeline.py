@@ -24,7 +24,6 @@ unchanged: the transforms consult it, nothing else changes.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -290,6 +289,7 @@ class Plan:
 
 def split_prompts(prompts: Prompts, dp: DataParallel) -> tuple[Prompts, int]:
     """This replica's contiguous share of the prompts and the index of its first prompt."""
-    per = math.ceil(len(prompts) / dp.size)
-    start = min(len(prompts), dp.rank * per)
-    return prompts[start : start + per], start
+    from rlkit.parallel.placement import contiguous_share
+
+    start, stop = contiguous_share(len(prompts), dp.rank, dp.size)
+    return prompts[start:stop], start

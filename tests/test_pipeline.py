@@ -260,3 +260,23 @@ def test_colocated_roles_can_take_turns_on_memory():
             batch = rk.rollout(s, task.train.batch_at(0, 2), n=2, max_new_tokens=3)
         assert len(calls) == expected and batch.batch_size[0] == 4
         s._cache.pop("engine", None)
+
+
+def test_grpo_recipe_with_kl_equals_the_plain_transform_sequence():
+    # the recipe queues the reference pass before scoring and decodes responses in score, not in
+    # the rollout: a reordering, so the step must equal rollout -> score -> advantage -> update
+    # with update computing the reference log-probs itself
+    task = _task()
+    model = _model(task)
+    recipe = rk.recipes.get("grpo").with_(n=4, max_new_tokens=4, kl=("low_var_kl", 0.1))
+    state = rk.init(model, _spec(), tokenizer=task.tokenizer, ref="copy")
+    twin = rk.init(copy.deepcopy(model), _spec(), tokenizer=task.tokenizer, ref="copy")
+    prompts = task.train.batch_at(0, 4)
+    s1, m1 = recipe.step(state, prompts, task.reward)
+    batch = rk.rollout(twin, prompts, n=4, max_new_tokens=4)
+    assert "response_text" in batch.keys()
+    batch = rk.advantage(rk.score(batch, task.reward), "grpo")
+    s2, m2 = rk.update(twin, batch, **recipe.update_kwargs())
+    for (k, a), b in zip(s1.actor.state_dict().items(), s2.actor.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert m1["actor/kl_loss"] == m2["actor/kl_loss"] and m1["reward/mean"] == float(batch["rewards"].mean())

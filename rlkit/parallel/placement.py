@@ -214,24 +214,28 @@ def shard_reward(reward, mesh: DeviceMesh | None = None):
         return type(reward)(shard_reward(fn, mesh) for fn in reward)
     from rlkit.transforms.score import reward_style
 
-    return reward if reward_style(reward) == "verl" else _ShardedReward(reward, rank, size, group)
+    style = reward_style(reward)
+    return reward if style == "verl" else _ShardedReward(reward, style, rank, size, group)
+
+
+def contiguous_share(n: int, rank: int, size: int) -> tuple[int, int]:
+    """``[lo, hi)``: rank ``rank``'s contiguous share of ``n`` items over ``size`` ranks, the
+    earlier ranks taking ``ceil(n / size)`` each (so the last shares may be short or empty)."""
+    per = -(-n // size)
+    return min(n, rank * per), min(n, (rank + 1) * per)
 
 
 class _ShardedReward:
     """One reward function scoring this rank's share of the rows (see :func:`shard_reward`)."""
 
-    def __init__(self, fn, rank: int, size: int, group) -> None:
+    def __init__(self, fn, style: str, rank: int, size: int, group) -> None:
         import functools
 
-        from rlkit.transforms.score import reward_style
-
-        self.fn, self.rank, self.size, self.group = fn, rank, size, group
-        self.style = reward_style(fn)
+        self.fn, self.style, self.rank, self.size, self.group = fn, style, rank, size, group
         functools.update_wrapper(self, fn)  # same name and signature (inspect follows __wrapped__)
 
     def _share(self, b: int) -> tuple[int, int]:
-        per = -(-b // self.size)
-        return min(b, self.rank * per), min(b, (self.rank + 1) * per)
+        return contiguous_share(b, self.rank, self.size)
 
     def _gather(self, compute) -> list:
         try:

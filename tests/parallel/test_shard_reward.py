@@ -94,3 +94,13 @@ def test_a_reward_failing_on_one_rank_raises_on_both(two):
     by_rank = {r["rank"]: r["error"] for r in two}
     assert by_rank[0] is not None and "failed on rank 1" in by_rank[0] and "boom" in by_rank[0]
     assert by_rank[1] is not None and "boom" in by_rank[1]
+
+
+def test_contiguous_share_covers_every_item_once_in_order():
+    from rlkit.parallel.placement import contiguous_share
+
+    for n in range(0, 12):
+        for size in range(1, 5):
+            shares = [contiguous_share(n, r, size) for r in range(size)]
+            assert [i for lo, hi in shares for i in range(lo, hi)] == list(range(n))
+            assert all(hi - lo <= -(-n // size) for lo, hi in shares)
