@@ -3,16 +3,20 @@
     python benchmarks/grpo_step.py --preset qwen2.5-0.5b --device cuda --check --variants --configs --compare trl
     python benchmarks/grpo_step.py --preset cpu --device cpu --compare trl
 
-A step is ``rollout -> score -> advantage("grpo") -> [old log-probs] -> [ref log-probs] ->
-update("ppo_clip", kl=("low_var_kl", beta))`` through rlkit's public transforms, with the
-built-in engine (``rollout`` syncs its weights first: after each update that is the engine's
+A step is ``rollout -> [old log-probs] -> [ref log-probs] -> score -> advantage("grpo") ->
+update("ppo_clip", kl=("low_var_kl", beta))`` through rlkit's public transforms: the passes are
+queued without waiting for the GPU and the host decodes and scores the responses meanwhile
+(``_workload.grpo_phases``; the configuration "phases one at a time" runs score first and times
+every phase alone, which is where the pass and update MFU come from). The built-in engine (``rollout`` syncs its weights first: after each update that is the engine's
 ``load_weights``, timed as ``weight_sync_s``). Prints a table and one line ``RESULT_JSON {...}``.
 
 FLOP convention (issue 5): training = 6 x params x tokens, a forward-only pass = 2 x params x
 tokens, tokens = every real prompt+response token; the ceiling is a measured 8192^3 bf16 matmul.
 ``--variants`` (GPU) also times engine and log-prob variants and profiles the decode kernels;
 ``--check`` (GPU) compares the fast paths against the plain ones first; ``--configs`` times other
-step configurations side by side (no separate old-policy pass, larger micro-batches, eager model).
+step configurations side by side (phases one at a time, no separate old-policy pass, larger
+micro-batches, eager model). ``--profile TRACE.json.gz`` traces one more step and prints each
+phase's GPU busy and idle time and its top kernels (``_trace.py``).
 """
 from __future__ import annotations
 
