@@ -146,6 +146,16 @@ def shallow_copy(batch: Batch) -> Batch:
     return TensorDict({k: batch.get(k) for k in batch.keys()}, batch_size=batch.batch_size, device=batch.device)
 
 
+def row_tokens(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Each row's real tokens, ``[ids[i][mask[i]] for every row i]``, as Python lists. For
+    right-padded masks (responses) every row is a prefix: one ``tolist`` for the whole batch
+    instead of one masked copy per row."""
+    mask = mask.bool()
+    if mask.shape[1] < 2 or not (mask[:, 1:] & ~mask[:, :-1]).any():
+        return [row[:n] for row, n in zip(ids.tolist(), mask.sum(-1).tolist())]
+    return [r[m].tolist() for r, m in zip(ids, mask)]
+
+
 def set_column(batch: Batch, name: str, values: Sequence[Any]) -> None:
     """Attach a non-tensor per-row column (text, answers, metadata)."""
     values = list(values)

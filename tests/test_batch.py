@@ -72,3 +72,14 @@ def test_shallow_copy_shares_fields_but_not_the_key_set():
     assert c["prompt_ids"] is b["prompt_ids"]  # shared, not copied
     assert column(c, "answer") == ["x", "y"] and c.get_non_tensor("note") == {"k": 1}
     assert c.batch_size == b.batch_size
+
+
+def test_row_tokens_equals_per_row_masking_for_right_and_left_padding():
+    from rlkit.batch import row_tokens
+
+    b = make_batch([[3, 4, 5], [6]], [[7, 8], [9, 10, 11]], pad_token_id=0)
+    for ids, mask in ((b["response_ids"], b["response_mask"]), (b["prompt_ids"], b["prompt_mask"])):
+        expected = [[int(t) for t, m in zip(r, mk) if m] for r, mk in zip(ids.tolist(), mask.tolist())]
+        assert row_tokens(ids, mask) == expected
+    assert row_tokens(b["response_ids"], b["response_mask"]) == [[7, 8], [9, 10, 11]]
+    assert row_tokens(b["prompt_ids"], b["prompt_mask"]) == [[3, 4, 5], [6]]

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from rlkit.batch import Batch, set_column, shallow_copy
+from rlkit.batch import Batch, row_tokens, set_column, shallow_copy
 from rlkit.data import Prompts, as_prompts
 from rlkit.engines.base import Engine, SamplingParams
 from rlkit.state import TrainState, fold_in, generator
@@ -193,7 +193,7 @@ def batch_from_generation(prompts: Prompts, out, tokenizer, *, policy_version: i
     if decode and tokenizer is not None:
         from rlkit.models.tokenizers import decode_batch
 
-        texts = decode_batch(tokenizer, [r[m].tolist() for r, m in zip(batch["response_ids"], batch["response_mask"])])
+        texts = decode_batch(tokenizer, row_tokens(batch["response_ids"], batch["response_mask"]))
         set_column(batch, "response_text", texts)
     return batch
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from rlkit.batch import Batch, BatchError, column, columns, shallow_copy, validate
+from rlkit.batch import Batch, BatchError, column, columns, row_tokens, shallow_copy, validate
 
 
 class RewardError(ValueError):
@@ -57,8 +57,7 @@ def _texts(batch: Batch, name: str, tokenizer) -> list[str]:
         raise BatchError(f"batch has no {name!r} column and no tokenizer was given to decode {ids_field}; pass tokenizer=")
     from rlkit.models.tokenizers import decode_batch
 
-    ids, mask = batch[ids_field], batch[mask_field].bool()
-    return decode_batch(tokenizer, [r[m].tolist() for r, m in zip(ids, mask)])
+    return decode_batch(tokenizer, row_tokens(batch[ids_field], batch[mask_field]))
 
 
 def _sample_desc(batch: Batch, i: int, prompts: list[str], completions: list[str]) -> str:
@@ -70,12 +69,7 @@ def _sample_desc(batch: Batch, i: int, prompts: list[str], completions: list[str
 def _call_trl(fn, batch, prompts, completions) -> list[Any]:
     params = inspect.signature(fn).parameters
     has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    ids, mask = batch["response_ids"], batch["response_mask"].bool()
-    if mask.shape[1] < 2 or not (mask[:, 1:] & ~mask[:, :-1]).any():  # right-padded: each row's ids are a prefix
-        completion_ids = [row[:n] for row, n in zip(ids.tolist(), mask.sum(-1).tolist())]
-    else:
-        completion_ids = [r[m].tolist() for r, m in zip(ids, mask)]
-    available: dict[str, Any] = {"prompts": prompts, "completion_ids": completion_ids}
+    available: dict[str, Any] = {"prompts": prompts, "completion_ids": row_tokens(batch["response_ids"], batch["response_mask"])}
     for name in columns(batch):
         if name not in ("prompt_text", "response_text"):
             available[name] = column(batch, name)
