@@ -265,18 +265,30 @@ def test_colocated_roles_can_take_turns_on_memory():
 def test_grpo_recipe_with_kl_equals_the_plain_transform_sequence():
     # the recipe queues the reference pass before scoring and decodes responses in score, not in
     # the rollout: a reordering, so the step must equal rollout -> score -> advantage -> update
-    # with update computing the reference log-probs itself
+    # with update computing the reference log-probs itself. The reward reads the decoded text and
+    # the reference differs from the actor, so wrong text or wrong reference log-probs would move
+    # the rewards, the KL term and the parameters
+    def text_reward(completions, **kw):
+        return [float(sum(map(ord, c)) % 5) for c in completions]
+
     task = _task()
     model = _model(task)
     recipe = rk.recipes.get("grpo").with_(n=4, max_new_tokens=4, kl=("low_var_kl", 0.1))
-    state = rk.init(model, _spec(), tokenizer=task.tokenizer, ref="copy")
-    twin = rk.init(copy.deepcopy(model), _spec(), tokenizer=task.tokenizer, ref="copy")
+    states = []
+    for m in (model, copy.deepcopy(model)):
+        state = rk.init(m, _spec(), tokenizer=task.tokenizer, ref="copy")
+        with torch.no_grad():
+            for i, p in enumerate(state.ref.parameters()):
+                p.add_(torch.sin(torch.arange(p.numel(), dtype=p.dtype) + i).reshape(p.shape) * 0.05)
+        states.append(state)
     prompts = task.train.batch_at(0, 4)
-    s1, m1 = recipe.step(state, prompts, task.reward)
-    batch = rk.rollout(twin, prompts, n=4, max_new_tokens=4)
+    s1, m1 = recipe.step(states[0], prompts, text_reward)
+    batch = rk.rollout(states[1], prompts, n=4, max_new_tokens=4)
     assert "response_text" in batch.keys()
-    batch = rk.advantage(rk.score(batch, task.reward), "grpo")
-    s2, m2 = rk.update(twin, batch, **recipe.update_kwargs())
+    batch = rk.advantage(rk.score(batch, text_reward), "grpo")
+    assert batch["rewards"].std() > 0  # the text matters
+    s2, m2 = rk.update(states[1], batch, **recipe.update_kwargs())
+    assert m2["actor/kl_loss"] > 1e-4  # the reference matters
     for (k, a), b in zip(s1.actor.state_dict().items(), s2.actor.state_dict().values()):
         assert torch.equal(a, b), k
     assert m1["actor/kl_loss"] == m2["actor/kl_loss"] and m1["reward/mean"] == float(batch["rewards"].mean())
