@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlkit.parallel.mesh import device_mesh, mesh_ranks, role_mesh, split_ranks, world
-from rlkit.parallel.reshard import Layout, replicated, split, tensor_parallel
+from rlkit.parallel.reshard import Layout, comm_device, replicated, split, tensor_parallel
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward")
 
@@ -149,7 +149,7 @@ def gather_rows(batch, mesh: DeviceMesh | None = None):
     from rlkit.batch import column, set_column
 
     group = mesh.get_group() if mesh is not None else None
-    comm = torch.device("cuda", torch.cuda.current_device()) if mesh is not None and mesh.device_type == "cuda" else torch.device("cpu")
+    comm = comm_device(group)
     keys = list(batch.keys())
     tensor_keys = [k for k in keys if isinstance(batch.get(k), torch.Tensor)]
     other_keys = [k for k in keys if k not in tensor_keys]

@@ -263,7 +263,8 @@ def _intersect(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
     return (lo, hi) if hi > lo else (lo, lo)
 
 
-def _comm_device(group) -> torch.device:
+def comm_device(group) -> torch.device:
+    """Where tensors for a collective on ``group`` live: this rank's GPU for NCCL, else the CPU."""
     backend = str(dist.get_backend(group))
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -407,8 +408,8 @@ def gather_weights(
     dst = tuple(layout.dst_ranks) if layout.dst_ranks is not None else src
     if len(dst) % layout.tp:
         raise ValueError(f"gather_weights: {len(dst)} generation ranks {dst} cannot form TP groups of {layout.tp}")
-    comm_device = _comm_device(group)
-    out_device = torch.device(device) if device is not None else comm_device
+    comm = comm_device(group)
+    out_device = torch.device(device) if device is not None else comm
     src_index = src.index(me) if me in src else None
     dst_index = dst.index(me) if me in dst else None
 
@@ -420,7 +421,7 @@ def gather_weights(
         local = _local_rows(name, t, src_index, len(src)) if src_index is not None else None
         sdim = shard_dim(name, t.dim(), layout.plan) if layout.tp > 1 else None
         params.append(_Param(name, tuple(t.shape), dtype, sdim, local))
-    _check_agreement(_fingerprint(params, src, dst, layout.tp), group, comm_device)
+    _check_agreement(_fingerprint(params, src, dst, layout.tp), group, comm)
 
     report = SyncReport(layout=f"tp={layout.tp} src={list(src)} dst={list(dst)}")
     tp_rank = dst_index % layout.tp if dst_index is not None else 0
@@ -435,11 +436,11 @@ def gather_weights(
     for bucket in _buckets(params, bucket_bytes):
         chunk = [params[i] for i in bucket]
         if colocated_full:
-            _all_gather_bucket(chunk, weights, src_index, len(src), group, comm_device, report)
+            _all_gather_bucket(chunk, weights, src_index, len(src), group, comm, report)
         else:
-            _all_to_all_bucket(chunk, weights, src, dst, layout.tp, group_rank, world_size, src_index, dst_index, group, comm_device, report)
+            _all_to_all_bucket(chunk, weights, src, dst, layout.tp, group_rank, world_size, src_index, dst_index, group, comm, report)
         report.buckets += 1
-    _sync(comm_device)
+    _sync(comm)
     report.tensors = len(weights)
     report.seconds = time.perf_counter() - t0
     return weights, report

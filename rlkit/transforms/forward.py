@@ -36,19 +36,14 @@ def _sharded_map(state, batch: Batch, fn):
     if dp is None or dp.size <= 1:
         return fn(batch)
     from rlkit.parallel.placement import shard_rows
+    from rlkit.parallel.reshard import comm_device
 
     local = fn(shard_rows(batch, dp.mesh))
     width = local.shape[1]
-    comm = local.to(_comm_device(dp))
+    comm = local.to(comm_device(dp.group))
     parts = [torch.empty_like(comm) for _ in range(dp.size)]
     torch.distributed.all_gather(parts, comm, group=dp.group)
     return torch.cat(parts).to(local.device)[:, :width]
-
-
-def _comm_device(dp):
-    if dp.mesh is not None and dp.mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def module_device(model) -> torch.device:
