@@ -19,15 +19,20 @@ def _micro(batch: Batch, micro_batch_size: int | None):
 _INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
 
-def _inputs(mb: Batch, model, device) -> dict:
-    """The four model inputs on ``device`` and the rows' :class:`rlkit.models.logprobs.ResponseView`,
-    built where the batch lives (the CPU for a rollout's batch: no device sync) and copied over
-    without waiting for the device; the GPU can still be busy with the previous pass."""
-    from rlkit.models.logprobs import backbone_of, response_view, to_device
+def rows_view(model, rows: Batch, device):
+    """The :class:`rlkit.models.logprobs.ResponseView` of ``rows`` for ``model`` computing on
+    ``device``, built where the rows live (the CPU for a rollout's batch: no device sync)."""
+    from rlkit.models.logprobs import backbone_of, response_view
 
-    tensors = [mb[k] for k in _INPUTS]
-    view = response_view(backbone_of(model), *tensors, device=device)
-    return {**{k: to_device(t, device) for k, t in zip(_INPUTS, tensors)}, "view": view}
+    return response_view(backbone_of(model), *(rows[k] for k in _INPUTS), device=device)
+
+
+def _inputs(mb: Batch, model, device) -> dict:
+    """The four model inputs on ``device`` and the rows' view (:func:`rows_view`), copied over
+    without waiting for the device; the GPU can still be busy with the previous pass."""
+    from rlkit.models.logprobs import to_device
+
+    return {**{k: to_device(mb[k], device) for k in _INPUTS}, "view": rows_view(model, mb, device)}
 
 
 def _sharded_map(state, batch: Batch, fn):

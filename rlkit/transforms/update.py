@@ -27,7 +27,7 @@ from rlkit.algos.kl import kl_penalty
 from rlkit.algos.losses import POLICY_LOSSES, aggregate, value_loss
 from rlkit.batch import Batch, BatchError, validate
 from rlkit.state import TrainState
-from rlkit.transforms.forward import module_device
+from rlkit.transforms.forward import module_device, rows_view
 
 LossSpec = str | Callable | tuple
 
@@ -136,7 +136,7 @@ def update(
     Returns ``(new_state, metrics)`` with loss parts, clip fraction, approx KL, entropy, grad
     norm, learning rate and the train-vs-rollout log-prob gap (``actor/logprob_gap``).
     """
-    from rlkit.models.logprobs import backbone_of, response_logprobs, response_view, to_device, values_for_response
+    from rlkit.models.logprobs import response_logprobs, to_device, values_for_response
 
     if not isinstance(state, TrainState):
         raise TypeError(f"update expects a TrainState first (from rk.init), got {type(state).__name__}")
@@ -237,8 +237,7 @@ def update(
                 rows = mini_batch[u0 : u0 + micro]
                 # the layout from the masks where the batch lives (the CPU: no device sync), and
                 # every field copied without waiting, so the host runs ahead of the GPU
-                view = response_view(backbone_of(actor_module), rows["prompt_ids"], rows["prompt_mask"],
-                                     rows["response_ids"], rows["response_mask"], device=device)
+                view = rows_view(actor_module, rows, device)
                 mb = {k: to_device(v, device) for k, v in rows.items()}
                 mask = mb["response_mask"]
                 frac = mask.sum().double() / num_tokens.double().clamp(min=1.0)
@@ -275,8 +274,7 @@ def update(
                 (total * grad_scale).backward()
                 if train_critic:
                     values = values_for_response(critic_module, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask,
-                                                 view=response_view(backbone_of(critic_module), rows["prompt_ids"], rows["prompt_mask"],
-                                                                    rows["response_ids"], rows["response_mask"], device=device))
+                                                 view=rows_view(critic_module, rows, device))
                     vf_loss, vf_metrics = value_loss(values, mb["values"], mb["returns"], mask, cliprange_value=value_clip, agg=term_agg, **norm)
                     (critic_coef * vf_loss * grad_scale).backward()
                     record("critic/vf_loss", vf_loss, 1.0)
