@@ -26,6 +26,19 @@ def _load(path: str) -> list[dict]:
         return json.load(f)["traceEvents"]
 
 
+def export(prof, path: str) -> list[dict]:
+    """Write ``prof``'s Chrome trace to ``path`` (gzipped when it ends in .gz) and return its events."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        prof.export_chrome_trace(tmp.name)
+        with open(tmp.name, "rb") as src:
+            data = src.read()
+    with (gzip.open if path.endswith(".gz") else open)(path, "wb") as dst:
+        dst.write(data)
+    return json.loads(data)["traceEvents"]
+
+
 def _union(intervals: list[tuple[float, float]]) -> float:
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):

@@ -92,23 +92,16 @@ def grpo_step(state, prompts, wl, device):
 def profile_step(state, prompts, wl, device, path: str):
     """One more step under ``torch.profiler``; writes the Chrome trace to ``path`` (gzipped when it
     ends in .gz) and prints ``_trace.py``'s per-phase summary with each phase's top kernels."""
-    import gzip
-    import tempfile
-
-    from _trace import print_summary, summarise
+    from _trace import export, print_summary, summarise
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         state, _, _ = grpo_step(state, prompts, wl, device)
-    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-        prof.export_chrome_trace(tmp.name)
-        with open(tmp.name, "rb") as src, (gzip.open if path.endswith(".gz") else open)(path, "wb") as dst:
-            dst.write(src.read())
-        with open(tmp.name) as f:
-            print(f"-- profiled step, trace {os.path.basename(path)}", flush=True)
-            print_summary(summarise(json.load(f)["traceEvents"], per_phase=12))
+    events = export(prof, path)
+    print(f"-- profiled step, trace {os.path.basename(path)}", flush=True)
+    print_summary(summarise(events, per_phase=12))
     return state
 
 

@@ -170,10 +170,7 @@ def _run_steps(plan, state, prompts, device, steps: int, warmup: int, profile: s
 
 
 def _profiled_step(plan, state, prompts, device, path: str):
-    import gzip
-    import tempfile
-
-    from _trace import print_summary, summarise
+    from _trace import export, print_summary, summarise
 
     for _ in range(2):  # warm-up before tracing (compile, CUDA graphs, caches)
         _barrier(device)
@@ -186,13 +183,9 @@ def _profiled_step(plan, state, prompts, device, path: str):
         state, _ = plan.step(state, prompts)
         _barrier(device)
     if _rank() == 0:
-        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            prof.export_chrome_trace(tmp.name)
-            with open(tmp.name, "rb") as src, gzip.open(path, "wb") as dst:
-                dst.write(src.read())
-            with open(tmp.name) as f:
-                print(f"-- profiled step (rank 0 of {_world_size()}), trace {os.path.basename(path)}")
-                print_summary(summarise(json.load(f)["traceEvents"]))
+        events = export(prof, path)
+        print(f"-- profiled step (rank 0 of {_world_size()}), trace {os.path.basename(path)}")
+        print_summary(summarise(events))
     return state
 
 
