@@ -9,6 +9,12 @@ kernels (NCCL) and of the rest, how much of the communication ran alongside othe
 the idle time (range wall minus busy). The top kernels by total time follow. Idle time means the
 GPU waited for the host (launch overhead, a host sync, Python); communication that does not
 overlap means collectives on the critical path.
+
+The other direction, the host waiting for the GPU or for other ranks, is ``host_wait_ms``: the
+time of blocking calls inside the phase (CUDA runtime synchronisations, copies to the host that
+wait for the stream, waits on collectives, e.g. gloo's). With ``--per-phase K`` each phase also lists where its
+waits come from: the innermost rlkit frame around each (traces recorded with ``with_stack=True``,
+as the benchmarks' ``--profile`` does), else the innermost operator.
 """
 from __future__ import annotations
 
@@ -53,10 +59,52 @@ def _clip(intervals, lo, hi):
     return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
 
 
+#: a copy or synchronisation call at least this long (us) made the host wait
+_WAIT_MIN_US = 20.0
+
+
+def _is_wait(e: dict) -> bool:
+    """A host event that blocks: a CUDA synchronisation, a copy that waited for the stream (a
+    copy to pageable host memory returns only when the GPU is done), or a collective's
+    ``Work.wait()`` (gloo's collectives run on their own threads; the caller blocks there)."""
+    name, cat = e.get("name", ""), e.get("cat")
+    if e.get("dur", 0) < _WAIT_MIN_US:
+        return False
+    if cat == "cuda_runtime":
+        return "Synchronize" in name or "Memcpy" in name
+    return cat == "python_function" and name.startswith("<built-in method wait of")
+
+
+def _wait_sites(waits: list[dict], frames: list[dict]) -> dict:
+    """``{site: [us, count]}``: each wait under its innermost enclosing frame on the same thread
+    (an rlkit Python frame where the trace has stacks, else the innermost operator). One sweep
+    in time order with a stack of open frames per thread (a thread's events nest)."""
+    sites = collections.defaultdict(lambda: [0.0, 0])
+    order = sorted([(f["ts"], -f["dur"], 0, i) for i, f in enumerate(frames)] + [(w["ts"], -w["dur"], 1, i) for i, w in enumerate(waits)])
+    open_frames: dict = collections.defaultdict(list)
+    for ts, _, is_wait, i in order:
+        e = waits[i] if is_wait else frames[i]
+        stack = open_frames[e.get("tid")]
+        while stack and stack[-1]["ts"] + stack[-1]["dur"] < ts + e["dur"]:
+            stack.pop()  # ended before this event does: not around it
+        if not is_wait:
+            stack.append(e)
+            continue
+        ours = next((f for f in reversed(stack) if f.get("cat") == "python_function" and "rlkit" in f["name"]), None)
+        pick = ours or next((f for f in reversed(stack) if f.get("cat") == "cpu_op" and f is not e), None)
+        what = "Work.wait" if e["name"].startswith("<built-in method wait") else e["name"]
+        site = f"{pick['name'][:70]} > {what}" if pick is not None else what
+        sites[site][0] += e["dur"]
+        sites[site][1] += 1
+    return sites
+
+
 def summarise(events: list[dict], top: int = 15, per_phase: int = 0) -> dict:
     """Phase rows and the top kernels; with ``per_phase`` > 0 also each phase's own top
-    ``per_phase`` kernels (by time inside the phase) and its kernel count."""
+    ``per_phase`` kernels (by time inside the phase) and its kernel count, and its top
+    ``per_phase`` host-wait sites (``waits``: site, ms, count)."""
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    waits = [e for e in events if e.get("ph") == "X" and _is_wait(e)]
     ranges = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name") in PHASES]
     is_comm = lambda e: "nccl" in e["name"].lower()  # noqa: E731
     comm = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if is_comm(e)]
@@ -74,6 +122,7 @@ def summarise(events: list[dict], top: int = 15, per_phase: int = 0) -> dict:
             "comm_ms": comm_t / 1e3,
             "comm_exposed_ms": (busy - comp_t) / 1e3,
             "idle_ms": (r["dur"] - busy) / 1e3,
+            "host_wait_ms": _union(_clip([(e["ts"], e["ts"] + e["dur"]) for e in waits], lo, hi)) / 1e3,
         }
         if per_phase:
             inside = [e for e in kernels if e["ts"] >= lo and e["ts"] + e["dur"] <= hi]
@@ -83,6 +132,11 @@ def summarise(events: list[dict], top: int = 15, per_phase: int = 0) -> dict:
                 names[e["name"]][1] += 1
             rows[r["name"]]["kernels"] = len(inside)
             rows[r["name"]]["top"] = [(n[:90], t / 1e3, c) for n, (t, c) in sorted(names.items(), key=lambda kv: -kv[1][0])[:per_phase]]
+            mine = [e for e in waits if e["ts"] >= lo and e["ts"] + e["dur"] <= hi]
+            frames = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("python_function", "cpu_op")
+                      and e["ts"] < hi and e["ts"] + e["dur"] > lo]
+            sites = _wait_sites(mine, frames)
+            rows[r["name"]]["waits"] = [(n, t / 1e3, c) for n, (t, c) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:per_phase]]
     by_name = collections.defaultdict(lambda: [0.0, 0])
     for e in kernels:
         by_name[e["name"]][0] += e["dur"]
@@ -92,7 +146,7 @@ def summarise(events: list[dict], top: int = 15, per_phase: int = 0) -> dict:
 
 
 def print_summary(s: dict) -> None:
-    cols = ("wall_ms", "gpu_busy_ms", "compute_ms", "comm_ms", "comm_exposed_ms", "idle_ms")
+    cols = ("wall_ms", "gpu_busy_ms", "compute_ms", "comm_ms", "comm_exposed_ms", "idle_ms", "host_wait_ms")
     print(f"{'phase':<16}" + "".join(f"{c:>16}" for c in cols))
     for name, row in s["phases"].items():
         print(f"{name:<16}" + "".join(f"{row[c]:>16.1f}" for c in cols))
@@ -104,6 +158,10 @@ def print_summary(s: dict) -> None:
             print(f"\n{phase}: {row['kernels']} kernels")
             for name, ms, calls in row["top"]:
                 print(f"  {name:<90}{ms:>9.2f}{calls:>8}")
+            if row.get("waits"):
+                print(f"  host waits ({row['host_wait_ms']:.1f} ms):")
+                for name, ms, calls in row["waits"]:
+                    print(f"    {name:<88}{ms:>9.2f}{calls:>8}")
 
 
 def main() -> None:

@@ -97,7 +97,7 @@ def profile_step(state, prompts, wl, device, path: str):
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:  # stacks: _trace names the host waits
         state, _, _ = grpo_step(state, prompts, wl, device)
     events = export(prof, path)
     print(f"-- profiled step, trace {os.path.basename(path)}", flush=True)

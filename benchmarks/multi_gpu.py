@@ -179,13 +179,13 @@ def _profiled_step(plan, state, prompts, device, path: str):
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     _barrier(device)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:  # stacks: _trace names the host waits
         state, _ = plan.step(state, prompts)
         _barrier(device)
     if _rank() == 0:
         events = export(prof, path)
         print(f"-- profiled step (rank 0 of {_world_size()}), trace {os.path.basename(path)}")
-        print_summary(summarise(events))
+        print_summary(summarise(events, per_phase=6))
     return state
 
 

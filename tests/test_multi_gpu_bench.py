@@ -133,7 +133,7 @@ def test_trace_summary_hand_worked():
         {"ph": "X", "cat": "kernel", "name": "late", "ts": 150, "dur": 5},  # outside the phase
     ]
     row = _trace.summarise(events)["phases"]["update"]
-    expected = {"wall_ms": 0.1, "gpu_busy_ms": 0.06, "compute_ms": 0.04, "comm_ms": 0.04, "comm_exposed_ms": 0.02, "idle_ms": 0.04}
+    expected = {"wall_ms": 0.1, "gpu_busy_ms": 0.06, "compute_ms": 0.04, "comm_ms": 0.04, "comm_exposed_ms": 0.02, "idle_ms": 0.04, "host_wait_ms": 0.0}
     assert row == pytest.approx(expected)
     top = _trace.summarise(events)["top_kernels"]
     assert top[0][0] == "gemm" and top[0][1] == pytest.approx(0.04) and top[0][2] == 2
@@ -142,3 +142,37 @@ def test_trace_summary_hand_worked():
     assert row["kernels"] == 3
     assert [(n, c) for n, _, c in row["top"]] == [("gemm", 2), ("ncclDevKernel_AllGather", 1)]
     assert row["top"][0][1] == pytest.approx(0.04) and row["top"][1][1] == pytest.approx(0.04)
+
+
+def test_trace_host_waits_hand_worked():
+    # phase 0..1000 us on thread 1: an rlkit frame 100-500 holding aten::item 200-400, which
+    # holds a cudaStreamSynchronize 250-390 (140 us); a 5 us cudaMemcpyAsync (not a wait); a
+    # collective's Work.wait 600-700 under another rlkit frame; a wait on thread 2 outside any frame;
+    # and a synchronisation after the phase (not counted)
+    import _trace
+
+    x = lambda cat, name, ts, dur, tid=1: {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}  # noqa: E731
+    events = [
+        x("user_annotation", "update", 0, 1000),
+        x("python_function", "rlkit/transforms/update.py(10): update", 50, 900),
+        x("python_function", "rlkit/batch.py(5): pull", 100, 400),
+        x("cpu_op", "aten::item", 200, 200),
+        x("cuda_runtime", "cudaStreamSynchronize", 250, 140),
+        x("cuda_runtime", "cudaMemcpyAsync", 420, 5),
+        x("python_function", "rlkit/parallel/placement.py(7): gather", 580, 200),
+        x("python_function", "<built-in method wait of pybind11 object at 0x1>", 600, 100),
+        x("cuda_runtime", "cudaDeviceSynchronize", 800, 30, tid=2),
+        x("cuda_runtime", "cudaStreamSynchronize", 1200, 50),
+    ]
+    row = _trace.summarise(events, per_phase=5)["phases"]["update"]
+    assert row["host_wait_ms"] == pytest.approx((140 + 100 + 30) / 1e3)
+    assert {(n, c) for n, _, c in row["waits"]} == {
+        ("rlkit/batch.py(5): pull > cudaStreamSynchronize", 1),
+        ("rlkit/parallel/placement.py(7): gather > Work.wait", 1),
+        ("cudaDeviceSynchronize", 1),
+    }
+    assert row["waits"][0][0].startswith("rlkit/batch.py") and row["waits"][0][1] == pytest.approx(0.14)
+    # without stacks (no python_function events) the innermost operator names the site
+    plain = [e for e in events if e["cat"] != "python_function"]
+    sites = [n for n, _, _ in _trace.summarise(plain, per_phase=5)["phases"]["update"]["waits"]]
+    assert "aten::item > cudaStreamSynchronize" in sites
