@@ -12,9 +12,10 @@ overlap means collectives on the critical path.
 
 The other direction, the host waiting for the GPU or for other ranks, is ``host_wait_ms``: the
 time of blocking calls inside the phase (CUDA runtime synchronisations, copies to the host that
-wait for the stream, waits on collectives, e.g. gloo's). With ``--per-phase K`` each phase also lists where its
-waits come from: the innermost rlkit frame around each (traces recorded with ``with_stack=True``,
-as the benchmarks' ``--profile`` does), else the innermost operator.
+wait for the stream, waits on collectives, e.g. gloo's). With ``--per-phase K`` each phase also
+lists where its waits come from: the innermost rlkit frame around each in traces with Python
+stacks (the benchmarks' ``--profile-stacks``; stacks slow the host several-fold, so host-bound
+phases then look longer than they are), else the innermost operator.
 """
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ def grpo_step(state, prompts, wl, device):
     return state, clock.times, metrics
 
 
-def profile_step(state, prompts, wl, device, path: str):
+def profile_step(state, prompts, wl, device, path: str, stacks: bool = False):
     """One more step under ``torch.profiler``; writes the Chrome trace to ``path`` (gzipped when it
     ends in .gz) and prints ``_trace.py``'s per-phase summary with each phase's top kernels."""
     from _trace import export, print_summary, summarise
@@ -97,7 +97,7 @@ def profile_step(state, prompts, wl, device, path: str):
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities, with_stack=True) as prof:  # stacks: _trace names the host waits
+    with torch.profiler.profile(activities=activities, with_stack=stacks) as prof:
         state, _, _ = grpo_step(state, prompts, wl, device)
     events = export(prof, path)
     print(f"-- profiled step, trace {os.path.basename(path)}", flush=True)
@@ -519,6 +519,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile", metavar="TRACE.json.gz", default=None,
                     help="after the timed steps, trace one more step with torch.profiler, write its Chrome trace here "
                          "and print each phase's GPU time and top kernels (benchmarks/_trace.py)")
+    ap.add_argument("--profile-stacks", action="store_true",
+                    help="with --profile: record Python stacks, so the summary names the rlkit call behind each host "
+                         "wait; slows the host several-fold, so host-bound phases look longer than they are")
     args = ap.parse_args(argv)
     started = time.perf_counter()
     if args.threads:
@@ -575,7 +578,7 @@ def main(argv=None) -> dict:
             metrics.append(m)
     res = summarize(wl, times, metrics, n_params, ceilings, device)
     if args.profile:
-        state = profile_step(state, prompts, wl, device, args.profile)
+        state = profile_step(state, prompts, wl, device, args.profile, args.profile_stacks)
     if gpu:
         res["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
     result.update(res)

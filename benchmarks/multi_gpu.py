@@ -136,15 +136,16 @@ def grpo_step_fn(wl, device, *, beta: float, old_logprobs_here: bool, train_rank
 
 
 def _run_steps(plan, state, prompts, device, steps: int, warmup: int, profile: str | None = None,
-               gc_freeze: bool = False):
+               gc_freeze: bool = False, stacks: bool = False):
     """``warmup + steps`` calls of ``plan.step``, each between barriers; returns
     ``(state, wall seconds of the timed steps, metrics of the timed steps, this rank's garbage
     collections during the timed steps)``. With ``profile`` (a path ending in .json.gz), one more
     untimed step runs under ``torch.profiler`` on every rank; rank 0 writes its Chrome trace there
-    and prints ``_trace.py``'s phase summary. ``gc_freeze``: ``gc.freeze()`` after the warm-up."""
+    and prints ``_trace.py``'s phase summary (``stacks``: with Python stacks, which name the host
+    waits' call sites but slow the host). ``gc_freeze``: ``gc.freeze()`` after the warm-up."""
     times, metrics = [], []
     if profile:
-        state = _profiled_step(plan, state, prompts, device, profile)
+        state = _profiled_step(plan, state, prompts, device, profile, stacks)
 
     def one_step(i: int, state):
         _barrier(device)
@@ -169,7 +170,7 @@ def _run_steps(plan, state, prompts, device, steps: int, warmup: int, profile: s
     return state, times, metrics, gc_pauses.summary()
 
 
-def _profiled_step(plan, state, prompts, device, path: str):
+def _profiled_step(plan, state, prompts, device, path: str, stacks: bool = False):
     from _trace import export, print_summary, summarise
 
     for _ in range(2):  # warm-up before tracing (compile, CUDA graphs, caches)
@@ -179,7 +180,7 @@ def _profiled_step(plan, state, prompts, device, path: str):
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     _barrier(device)
-    with torch.profiler.profile(activities=activities, with_stack=True) as prof:  # stacks: _trace names the host waits
+    with torch.profiler.profile(activities=activities, with_stack=stacks) as prof:
         state, _ = plan.step(state, prompts)
         _barrier(device)
     if _rank() == 0:
@@ -257,7 +258,7 @@ def scenario_colocated(args, device) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     state, times, metrics, gcs = _run_steps(plan, state, prompts, device, args.steps, args.warmup, args.profile,
-                                             args.gc_freeze)
+                                             args.gc_freeze, args.profile_stacks)
     out = {"layout": f"actor FSDP({_world_size()}) + rollout DP({_world_size()}), same ranks"
            if _world_size() > 1 else "one process (lowering is the identity)",
            "scaling": "weak" if args.weak else "strong",
@@ -684,6 +685,9 @@ def main(argv=None):
     ap.add_argument("--profile", metavar="TRACE.json.gz",
                     help="colocated: before the timed steps, trace one step with torch.profiler (rank 0 writes the "
                          "Chrome trace here and prints where each phase's GPU time goes: benchmarks/_trace.py)")
+    ap.add_argument("--profile-stacks", action="store_true",
+                    help="with --profile: record Python stacks, so the summary names the rlkit call behind each host "
+                         "wait; slows the host several-fold, so host-bound phases look longer than they are")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() after the warm-up steps: objects alive then (model, compiled graphs) are never "
                          "walked by Python's full collections again (each scenario reports its collections either way)")
