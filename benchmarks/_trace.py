@@ -100,13 +100,46 @@ def _wait_sites(waits: list[dict], frames: list[dict]) -> dict:
     return sites
 
 
+def _gaps(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    """The parts of ``[lo, hi)`` that no interval covers (the GPU idle), in time order."""
+    out, at = [], lo
+    for a, b in sorted(intervals):
+        if a > at:
+            out.append((at, min(a, hi)))
+        at = max(at, b)
+        if at >= hi:
+            break
+    if at < hi:
+        out.append((at, hi))
+    return [(a, b) for a, b in out if b > a]
+
+
+def _host_in(lo: float, hi: float, frames: list[dict], samples: int = 16) -> str:
+    """What the host was doing during ``[lo, hi)`` on the phase's thread, as a small sampling
+    profile: at ``samples`` evenly spaced instants, the innermost rlkit frame (traces with
+    stacks) and the innermost operator or runtime call under it; the two most frequent labels
+    with their share, e.g. ``"70% rlkit/batch.py(78): _pad_left > aten::copy_"``."""
+    inside = sorted((f for f in frames if f["ts"] < hi and f["ts"] + f["dur"] > lo), key=lambda f: -f["dur"])
+    counts: collections.Counter = collections.Counter()
+    for j in range(samples):
+        t = lo + (j + 0.5) * (hi - lo) / samples
+        around = [f for f in inside if f["ts"] <= t < f["ts"] + f["dur"]]  # outermost first
+        ours = [f for f in around if f.get("cat") == "python_function" and "rlkit" in f["name"]]
+        ops = [f for f in around if f.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation")]
+        parts = ([ours[-1]["name"][:60]] if ours else []) + ([ops[-1]["name"][:50]] if ops else [])
+        counts[" > ".join(parts) or "(no range: Python between operators)"] += 1
+    return "; ".join(f"{100 * n // samples}% {label}" for label, n in counts.most_common(2))
+
+
 def summarise(events: list[dict], top: int = 15, per_phase: int = 0) -> dict:
     """Phase rows and the top kernels; with ``per_phase`` > 0 also each phase's own top
-    ``per_phase`` kernels (by time inside the phase) and its kernel count, and its top
-    ``per_phase`` host-wait sites (``waits``: site, ms, count)."""
+    ``per_phase`` kernels (by time inside the phase) and its kernel count, its top ``per_phase``
+    host-wait sites (``waits``: site, ms, count) and its longest GPU idle gaps (``gaps``: start
+    ms into the phase, ms, what the host was doing then: :func:`_host_in`)."""
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
     waits = [e for e in events if e.get("ph") == "X" and _is_wait(e)]
-    ranges = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name") in PHASES]
+    ranges_all = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
+    ranges = [e for e in ranges_all if e.get("name") in PHASES]
     is_comm = lambda e: "nccl" in e["name"].lower()  # noqa: E731
     comm = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if is_comm(e)]
     compute = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if not is_comm(e)]
@@ -134,10 +167,14 @@ def summarise(events: list[dict], top: int = 15, per_phase: int = 0) -> dict:
             rows[r["name"]]["kernels"] = len(inside)
             rows[r["name"]]["top"] = [(n[:90], t / 1e3, c) for n, (t, c) in sorted(names.items(), key=lambda kv: -kv[1][0])[:per_phase]]
             mine = [e for e in waits if e["ts"] >= lo and e["ts"] + e["dur"] <= hi]
-            frames = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("python_function", "cpu_op")
+            frames = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("python_function", "cpu_op", "cuda_runtime")
                       and e["ts"] < hi and e["ts"] + e["dur"] > lo]
             sites = _wait_sites(mine, frames)
             rows[r["name"]]["waits"] = [(n, t / 1e3, c) for n, (t, c) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:per_phase]]
+            mine_frames = [f for f in frames + [e for e in ranges_all if e["ts"] < hi and e["ts"] + e["dur"] > lo]
+                           if f.get("tid") == r.get("tid")]
+            gaps = sorted(_gaps(c + k, lo, hi), key=lambda g: g[0] - g[1])[:per_phase]
+            rows[r["name"]]["gaps"] = [((a - lo) / 1e3, (b - a) / 1e3, _host_in(a, b, mine_frames)) for a, b in gaps]
     by_name = collections.defaultdict(lambda: [0.0, 0])
     for e in kernels:
         by_name[e["name"]][0] += e["dur"]
@@ -159,6 +196,10 @@ def print_summary(s: dict) -> None:
             print(f"\n{phase}: {row['kernels']} kernels")
             for name, ms, calls in row["top"]:
                 print(f"  {name:<90}{ms:>9.2f}{calls:>8}")
+            if row.get("gaps"):
+                print(f"  longest GPU idle gaps (of {row['idle_ms']:.1f} ms idle): at ms, ms, host inside")
+                for at, ms, where in row["gaps"]:
+                    print(f"    {at:>9.2f}{ms:>9.2f}  {where}")
             if row.get("waits"):
                 print(f"  host waits ({row['host_wait_ms']:.1f} ms):")
                 for name, ms, calls in row["waits"]:

@@ -64,3 +64,23 @@ def test_packed_rows_attention_fallback_equals_padded_layout(monkeypatch):
             monkeypatch.undo()
         torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
         assert padded[batch["response_mask"]].abs().min() > 0  # real values, not an all-zero output
+
+
+def test_profile_trace_names_rlkit_ranges(tmp_path):
+    # --profile traces one more step: rlkit's named ranges are in it, nested where they run
+    import _trace
+
+    path = tmp_path / "step.json.gz"
+    grpo_step.main(["--preset", "cpu", "--device", "cpu", "--steps", "1", "--warmup", "0", "--profile", str(path)])
+    events = [e for e in _trace._load(str(path)) if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
+    spans = {}
+    for e in events:
+        spans.setdefault(e["name"], []).append((e["ts"], e["ts"] + e["dur"]))
+    wanted = ("rollout", "update", "rlkit.weight_sync", "rlkit.engine.generate", "rlkit.engine.prefill", "rlkit.engine.decode",
+              "rlkit.rollout.batch", "rlkit.score.decode", "rlkit.update.micro_batch", "rlkit.update.optimizer")
+    assert set(wanted) <= set(spans), sorted(set(wanted) - set(spans))
+    inside = lambda inner, outer: all(any(a <= x and y <= b for a, b in spans[outer]) for x, y in spans[inner])  # noqa: E731
+    assert inside("rlkit.engine.prefill", "rlkit.engine.generate") and inside("rlkit.engine.decode", "rlkit.engine.generate")
+    assert inside("rlkit.engine.generate", "rollout") and inside("rlkit.update.micro_batch", "update")
+    # the prefill ends before the decode starts
+    assert spans["rlkit.engine.prefill"][0][1] <= spans["rlkit.engine.decode"][0][0]

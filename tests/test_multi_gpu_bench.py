@@ -176,3 +176,27 @@ def test_trace_host_waits_hand_worked():
     plain = [e for e in events if e["cat"] != "python_function"]
     sites = [n for n, _, _ in _trace.summarise(plain, per_phase=5)["phases"]["update"]["waits"]]
     assert "aten::item > cudaStreamSynchronize" in sites
+
+
+def test_trace_idle_gaps_hand_worked():
+    # phase 0..100 us; kernels 10-30 and 25-40 (one busy stretch 10-40) and 70-80: idle 0-10,
+    # 40-70, 80-100; the host was inside "rlkit.score.decode" during 40-70
+    import _trace
+
+    x = lambda cat, name, ts, dur, tid=1: {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}  # noqa: E731
+    events = [
+        x("user_annotation", "passes_score", 0, 100),
+        x("kernel", "a", 10, 20, tid=7), x("kernel", "b", 25, 15, tid=7), x("kernel", "c", 70, 10, tid=7),
+        x("user_annotation", "rlkit.score.decode", 35, 40),
+        x("cpu_op", "aten::copy_", 85, 10, tid=2),  # another thread: not the host's main thread
+    ]
+    assert _trace._gaps([(10, 30), (25, 40), (70, 80)], 0, 100) == [(0, 10), (40, 70), (80, 100)]
+    row = _trace.summarise(events, per_phase=2)["phases"]["passes_score"]
+    assert row["idle_ms"] == pytest.approx(0.06)
+    assert row["gaps"] == [(pytest.approx(0.04), pytest.approx(0.03), "100% rlkit.score.decode"),
+                           (pytest.approx(0.08), pytest.approx(0.02), "100% passes_score")]
+    # the sampling profile of a gap: an rlkit frame over its first quarter, another over the
+    # rest, each with the innermost operator under it
+    frames = [x("python_function", "rlkit/a.py(1): f", 0, 25), x("cpu_op", "aten::copy_", 0, 25),
+              x("python_function", "rlkit/b.py(2): g", 25, 75)]
+    assert _trace._host_in(0, 100, frames) == "75% rlkit/b.py(2): g; 25% rlkit/a.py(1): f > aten::copy_"

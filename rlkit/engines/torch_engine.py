@@ -1077,42 +1077,44 @@ class TorchEngine:
             seed = torch.randint(0, 2**62, (1,), generator=generator, device=generator.device if generator is not None else self.device)
             plan.sampler.seed.copy_(seed)
 
-        # Prefill: causal attention among real prompt tokens; a pad query attends to itself only,
-        # so no softmax row is empty (its output is never used).
-        positions = (unique_mask.long().cumsum(-1) - 1).clamp(min=0)
-        groups = self.num_heads // self.num_kv_heads
-        if no_padding:
-            mask = None
-        else:
-            causal = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()
-            eye = torch.eye(p, dtype=torch.bool, device=self.device)
-            mask = (causal & (unique_mask[:, None, :] | eye))[:, None]  # (b0 1 p p)
+        with torch.profiler.record_function("rlkit.engine.prefill"):  # names the range in a profiler trace
+            # Prefill: causal attention among real prompt tokens; a pad query attends to itself only,
+            # so no softmax row is empty (its output is never used).
+            positions = (unique_mask.long().cumsum(-1) - 1).clamp(min=0)
+            groups = self.num_heads // self.num_kv_heads
+            if no_padding:
+                mask = None
+            else:
+                causal = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()
+                eye = torch.eye(p, dtype=torch.bool, device=self.device)
+                mask = (causal & (unique_mask[:, None, :] | eye))[:, None]  # (b0 1 p p)
 
-        def attend(i, q, k, v):
-            state.k_cache[i][:, :, :p] = k.repeat_interleave(params.n, dim=0) if params.n > 1 else k
-            state.v_cache[i][:, :, :p] = v.repeat_interleave(params.n, dim=0) if params.n > 1 else v
-            return F.scaled_dot_product_attention(
-                q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=mask, is_causal=mask is None, scale=self.head_dim**-0.5
-            ).transpose(1, 2).reshape(b0, p, self.num_heads * self.head_dim)
+            def attend(i, q, k, v):
+                state.k_cache[i][:, :, :p] = k.repeat_interleave(params.n, dim=0) if params.n > 1 else k
+                state.v_cache[i][:, :, :p] = v.repeat_interleave(params.n, dim=0) if params.n > 1 else v
+                return F.scaled_dot_product_attention(
+                    q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=mask, is_causal=mask is None, scale=self.head_dim**-0.5
+                ).transpose(1, 2).reshape(b0, p, self.num_heads * self.head_dim)
 
-        hidden = self._forward(ids, state.cos[positions], state.sin[positions], attend)
-        last = hidden[:, -1].repeat_interleave(params.n, dim=0) if params.n > 1 else hidden[:, -1]
-        tokens, logprobs = self._sample_logits(last, params, generator, plan)
-        self._record(state, tokens, logprobs, params)
+            hidden = self._forward(ids, state.cos[positions], state.sin[positions], attend)
+            last = hidden[:, -1].repeat_interleave(params.n, dim=0) if params.n > 1 else hidden[:, -1]
+            tokens, logprobs = self._sample_logits(last, params, generator, plan)
+            self._record(state, tokens, logprobs, params)
         prefill_seconds = time.perf_counter() - start
 
         check_stops = not params.ignore_stop and len(stop_ids) > 0
         done = 1
-        while done < steps:
-            filled = p + done  # cache slots in use once this step has written its token
-            if graphs:
-                length = min(p + steps, math.ceil(filled / self.cache_bucket) * self.cache_bucket)
-                self._graph_step(plan, length, params, generator)
-            else:
-                self._decode_step(plan, filled, params, generator)
-            done += 1
-            if check_stops and done % self.sync_every == 0 and bool(state.finished.all()):
-                break
+        with torch.profiler.record_function("rlkit.engine.decode"):
+            while done < steps:
+                filled = p + done  # cache slots in use once this step has written its token
+                if graphs:
+                    length = min(p + steps, math.ceil(filled / self.cache_bucket) * self.cache_bucket)
+                    self._graph_step(plan, length, params, generator)
+                else:
+                    self._decode_step(plan, filled, params, generator)
+                done += 1
+                if check_stops and done % self.sync_every == 0 and bool(state.finished.all()):
+                    break
 
         lengths = state.out_mask.sum(-1)
         width = max(int(lengths.max()), 1)

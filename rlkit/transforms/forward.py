@@ -87,7 +87,8 @@ def model_logprobs(model, batch: Batch, *, temperature: float = 1.0, micro_batch
 def compute_old_logprobs(state, batch: Batch, *, temperature: float = 1.0, micro_batch_size: int | None = None) -> Batch:
     """Add ``old_logprobs``: the actor's log-probs before the update (verl's recompute)."""
     module = state._cache.get("actor_module", state.actor)
-    lp = _sharded_map(state, batch, lambda rows: model_logprobs(module, rows, temperature=temperature, micro_batch_size=micro_batch_size)[0])
+    with torch.profiler.record_function("rlkit.old_logprobs"):  # names the range in a profiler trace
+        lp = _sharded_map(state, batch, lambda rows: model_logprobs(module, rows, temperature=temperature, micro_batch_size=micro_batch_size)[0])
     out = shallow_copy(batch)
     out.set("old_logprobs", lp)
     return out
@@ -98,7 +99,8 @@ def compute_ref_logprobs(state, batch: Batch, *, temperature: float = 1.0, micro
     if state.ref is None:
         raise ValueError("state has no reference model; create it with rk.init(model, ref='copy') or drop the KL penalty")
     module = state._cache.get("ref_module", state.ref)
-    lp = _sharded_map(state, batch, lambda rows: model_logprobs(module, rows, temperature=temperature, micro_batch_size=micro_batch_size)[0])
+    with torch.profiler.record_function("rlkit.ref_logprobs"):
+        lp = _sharded_map(state, batch, lambda rows: model_logprobs(module, rows, temperature=temperature, micro_batch_size=micro_batch_size)[0])
     out = shallow_copy(batch)
     out.set("ref_logprobs", lp)
     return out

@@ -119,7 +119,8 @@ def rollout(
     if "split" in state._cache:
         return _split_rollout(state, prompts, params, key, decode)
     eng = get_engine(state, engine)
-    sync = sync_engine(state, eng)
+    with torch.profiler.record_function("rlkit.weight_sync"):  # names the range in a profiler trace
+        sync = sync_engine(state, eng)
     batch, seconds, engine_metrics = _sample_share(state, eng, prompts, params, key, state._cache.get("rollout_dp"), decode)
     return _with_metrics(batch, seconds, {**sync, **engine_metrics})
 
@@ -138,16 +139,19 @@ def _sample_share(state: TrainState, eng: Engine, prompts: Prompts, params: Samp
     device = _engine_device(eng, state)
     gen = generator(key, device=device if device.type in ("cpu", "cuda") else "cpu")
     t0 = time.perf_counter()
-    out = eng.generate(prompts.ids, params, generator=gen)
+    with torch.profiler.record_function("rlkit.engine.generate"):
+        out = eng.generate(prompts.ids, params, generator=gen)
     seconds = time.perf_counter() - t0
     if state._cache.get("release_engine") and hasattr(eng, "release"):
         eng.release()  # colocated roles take turns: training gets the KV-cache memory back
-    batch = batch_from_generation(prompts, out, state.tokenizer, policy_version=state.policy_version, decode=decode)
+    with torch.profiler.record_function("rlkit.rollout.batch"):
+        batch = batch_from_generation(prompts, out, state.tokenizer, policy_version=state.policy_version, decode=decode)
     if dp is not None and dp.size > 1:
         from rlkit.parallel.placement import gather_rows
 
         batch.set("group", batch["group"] + start)
-        batch = gather_rows(batch, dp.mesh)
+        with torch.profiler.record_function("rlkit.rollout.gather_rows"):
+            batch = gather_rows(batch, dp.mesh)
     return batch, seconds, {f"rollout/{k}": float(v) for k, v in out.metrics.items()}
 
 

@@ -165,12 +165,14 @@ def score(
             raise RewardError(f"weights has {len(weights)} values for {len(fns)} reward functions")
         w = dict(zip(fns, map(float, weights)))
     needs_text = any(reward_style(fn) != "batch" for fn in fns.values())
-    completions = _texts(batch, "response_text", tokenizer) if needs_text else []
-    prompts = _texts(batch, "prompt_text", tokenizer) if needs_text else []
+    with torch.profiler.record_function("rlkit.score.decode"):  # names the range in a profiler trace
+        completions = _texts(batch, "response_text", tokenizer) if needs_text else []
+        prompts = _texts(batch, "prompt_text", tokenizer) if needs_text else []
     out = shallow_copy(batch)
     total = torch.zeros(batch.batch_size[0])
     for key, fn in fns.items():
-        values = _run_one(fn, batch, prompts, completions)
+        with torch.profiler.record_function(f"rlkit.score.{key}"):
+            values = _run_one(fn, batch, prompts, completions)
         out.set(f"reward/{key}", values.to(batch.device) if batch.device is not None else values)
         total += w[key] * values
     out.set("rewards", total.to(batch.device) if batch.device is not None else total)
