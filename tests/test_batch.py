@@ -83,3 +83,32 @@ def test_row_tokens_equals_per_row_masking_for_right_and_left_padding():
         assert row_tokens(ids, mask) == expected
     assert row_tokens(b["response_ids"], b["response_mask"]) == [[7, 8], [9, 10, 11]]
     assert row_tokens(b["prompt_ids"], b["prompt_mask"]) == [[3, 4, 5], [6]]
+
+
+def test_pad_left_and_right_equal_a_row_by_row_reference():
+    # ragged rows (lists or tensors, some empty) padded to the longest: ids and masks equal a
+    # plain per-row copy
+    import random
+
+    from rlkit.batch import _pad_left, _pad_right
+
+    def reference(rows, pad, left):
+        width = max((len(r) for r in rows), default=0)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        for i, r in enumerate(rows):
+            if len(r):
+                cols = slice(width - len(r), None) if left else slice(0, len(r))
+                ids[i, cols] = torch.as_tensor(list(r))
+                mask[i, cols] = True
+        return ids, mask
+
+    rng = random.Random(0)
+    for trial in range(100):
+        rows = [[rng.randrange(100) for _ in range(rng.randrange(0, 9))] for _ in range(rng.randrange(0, 6))]
+        if trial % 3 == 0:
+            rows = [torch.tensor(r, dtype=torch.long) for r in rows]
+        for left, pad_fn in ((True, _pad_left), (False, _pad_right)):
+            ids, mask = pad_fn(rows, 7)
+            want_ids, want_mask = reference(rows, 7, left)
+            assert torch.equal(ids, want_ids) and torch.equal(mask, want_mask) and mask.dtype == torch.bool

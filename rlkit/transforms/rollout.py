@@ -177,7 +177,12 @@ def batch_from_generation(prompts: Prompts, out, tokenizer, *, policy_version: i
     pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     pad = 0 if pad is None else pad
     rows = index.tolist()
-    p_ids, p_mask = _pad_left([prompts.ids[i] for i in rows], pad)
+    # each prompt padded once, then repeated for its rows (the n samples share it)
+    used = sorted(set(rows))
+    u_ids, u_mask = _pad_left([prompts.ids[i] for i in used], pad)
+    slot = {prompt: k for k, prompt in enumerate(used)}
+    where = torch.tensor([slot[i] for i in rows], dtype=torch.long)
+    p_ids, p_mask = u_ids[where], u_mask[where]
     batch = Batch(
         {
             "prompt_ids": p_ids,
