@@ -1,9 +1,10 @@
 """Read a torch.profiler Chrome trace: where each benchmark phase spends its GPU time.
 
-    python benchmarks/_trace.py trace.json.gz
+    python benchmarks/_trace.py trace.json.gz [--per-phase K] [--phases NAME,NAME,...]
 
 For every phase range (the ``record_function`` names that ``_workload.Clock`` opens: rollout,
-score_advantage, old_logprobs, ref_logprobs, passes_score, update) it prints the range's wall time and, on the
+score_advantage, old_logprobs, ref_logprobs, passes_score, update; or, with ``--phases``, any
+range names, such as the ``rlkit.*`` ranges every rlkit step records) it prints the range's wall time and, on the
 GPU inside that range: the busy time (union of all kernel intervals), the time of communication
 kernels (NCCL) and of the rest, how much of the communication ran alongside other kernels, and
 the idle time (range wall minus busy). The top kernels by total time follow. Idle time means the
@@ -131,25 +132,30 @@ def _host_in(lo: float, hi: float, frames: list[dict], samples: int = 16) -> str
     return "; ".join(f"{100 * n // samples}% {label}" for label, n in counts.most_common(2))
 
 
-def summarise(events: list[dict], top: int = 15, per_phase: int = 0) -> dict:
+def summarise(events: list[dict], top: int = 15, per_phase: int = 0, phases: tuple[str, ...] = PHASES) -> dict:
     """Phase rows and the top kernels; with ``per_phase`` > 0 also each phase's own top
     ``per_phase`` kernels (by time inside the phase) and its kernel count, its top ``per_phase``
     host-wait sites (``waits``: site, ms, count) and its longest GPU idle gaps (``gaps``: start
-    ms into the phase, ms, what the host was doing then: :func:`_host_in`)."""
+    ms into the phase, ms, what the host was doing then: :func:`_host_in`). ``phases``: the range
+    names to report (default the benchmarks' phases; any ``record_function`` names, e.g. rlkit's
+    own ``rlkit.engine.decode``); a name seen more than once is reported as ``name``, ``name#2``, ..."""
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
     waits = [e for e in events if e.get("ph") == "X" and _is_wait(e)]
     ranges_all = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
-    ranges = [e for e in ranges_all if e.get("name") in PHASES]
+    ranges = [e for e in ranges_all if e.get("name") in phases]
     is_comm = lambda e: "nccl" in e["name"].lower()  # noqa: E731
     comm = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if is_comm(e)]
     compute = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if not is_comm(e)]
     rows = {}
+    seen: collections.Counter = collections.Counter()
     for r in sorted(ranges, key=lambda e: e["ts"]):
         lo, hi = r["ts"], r["ts"] + r["dur"]
+        seen[r["name"]] += 1
+        key = r["name"] if seen[r["name"]] == 1 else f"{r['name']}#{seen[r['name']]}"
         c, k = _clip(comm, lo, hi), _clip(compute, lo, hi)
         busy = _union(c + k)
         comm_t, comp_t = _union(c), _union(k)
-        rows[r["name"]] = {
+        rows[key] = {
             "wall_ms": r["dur"] / 1e3,
             "gpu_busy_ms": busy / 1e3,
             "compute_ms": comp_t / 1e3,
@@ -164,17 +170,17 @@ def summarise(events: list[dict], top: int = 15, per_phase: int = 0) -> dict:
             for e in inside:
                 names[e["name"]][0] += e["dur"]
                 names[e["name"]][1] += 1
-            rows[r["name"]]["kernels"] = len(inside)
-            rows[r["name"]]["top"] = [(n[:90], t / 1e3, c) for n, (t, c) in sorted(names.items(), key=lambda kv: -kv[1][0])[:per_phase]]
+            rows[key]["kernels"] = len(inside)
+            rows[key]["top"] = [(n[:90], t / 1e3, c) for n, (t, c) in sorted(names.items(), key=lambda kv: -kv[1][0])[:per_phase]]
             mine = [e for e in waits if e["ts"] >= lo and e["ts"] + e["dur"] <= hi]
             frames = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("python_function", "cpu_op", "cuda_runtime")
                       and e["ts"] < hi and e["ts"] + e["dur"] > lo]
             sites = _wait_sites(mine, frames)
-            rows[r["name"]]["waits"] = [(n, t / 1e3, c) for n, (t, c) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:per_phase]]
+            rows[key]["waits"] = [(n, t / 1e3, c) for n, (t, c) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:per_phase]]
             mine_frames = [f for f in frames + [e for e in ranges_all if e["ts"] < hi and e["ts"] + e["dur"] > lo]
                            if f.get("tid") == r.get("tid")]
             gaps = sorted(_gaps(c + k, lo, hi), key=lambda g: g[0] - g[1])[:per_phase]
-            rows[r["name"]]["gaps"] = [((a - lo) / 1e3, (b - a) / 1e3, _host_in(a, b, mine_frames)) for a, b in gaps]
+            rows[key]["gaps"] = [((a - lo) / 1e3, (b - a) / 1e3, _host_in(a, b, mine_frames)) for a, b in gaps]
     by_name = collections.defaultdict(lambda: [0.0, 0])
     for e in kernels:
         by_name[e["name"]][0] += e["dur"]
@@ -185,9 +191,10 @@ def summarise(events: list[dict], top: int = 15, per_phase: int = 0) -> dict:
 
 def print_summary(s: dict) -> None:
     cols = ("wall_ms", "gpu_busy_ms", "compute_ms", "comm_ms", "comm_exposed_ms", "idle_ms", "host_wait_ms")
-    print(f"{'phase':<16}" + "".join(f"{c:>16}" for c in cols))
+    w = max([16] + [len(name) + 2 for name in s["phases"]])
+    print(f"{'phase':<{w}}" + "".join(f"{c:>16}" for c in cols))
     for name, row in s["phases"].items():
-        print(f"{name:<16}" + "".join(f"{row[c]:>16.1f}" for c in cols))
+        print(f"{name:<{w}}" + "".join(f"{row[c]:>16.1f}" for c in cols))
     print(f"\n{'kernel (top by total time)':<92}{'ms':>9}{'calls':>8}")
     for name, ms, calls in s["top_kernels"]:
         print(f"{name:<92}{ms:>9.1f}{calls:>8}")
@@ -210,9 +217,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=15)
-    ap.add_argument("--per-phase", type=int, default=0, metavar="K", help="also each phase's top K kernels")
+    ap.add_argument("--per-phase", type=int, default=0, metavar="K",
+                    help="also each phase's top K kernels, host-wait sites and longest GPU idle gaps")
+    ap.add_argument("--phases", default=",".join(PHASES),
+                    help="comma-separated range names to report (default: the benchmarks' phases); e.g. "
+                         "rlkit.engine.generate,rlkit.old_logprobs,rlkit.update.micro_batch for any rlkit step's trace")
     args = ap.parse_args()
-    print_summary(summarise(_load(args.trace), args.top, args.per_phase))
+    print_summary(summarise(_load(args.trace), args.top, args.per_phase, tuple(p for p in args.phases.split(",") if p)))
 
 
 if __name__ == "__main__":

@@ -200,3 +200,19 @@ def test_trace_idle_gaps_hand_worked():
     frames = [x("python_function", "rlkit/a.py(1): f", 0, 25), x("cpu_op", "aten::copy_", 0, 25),
               x("python_function", "rlkit/b.py(2): g", 25, 75)]
     assert _trace._host_in(0, 100, frames) == "75% rlkit/b.py(2): g; 25% rlkit/a.py(1): f > aten::copy_"
+
+
+def test_trace_phases_by_name_with_repeats():
+    # any range names can be the phases; a name seen twice is reported twice, in time order
+    import _trace
+
+    x = lambda cat, name, ts, dur: {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": 1}  # noqa: E731
+    events = [
+        x("user_annotation", "rlkit.update.micro_batch", 0, 100), x("kernel", "gemm", 10, 50),
+        x("user_annotation", "rlkit.update.micro_batch", 200, 100), x("kernel", "gemm", 200, 100),
+        x("user_annotation", "update", 0, 300),
+    ]
+    rows = _trace.summarise(events, phases=("rlkit.update.micro_batch",))["phases"]
+    assert list(rows) == ["rlkit.update.micro_batch", "rlkit.update.micro_batch#2"]
+    assert rows["rlkit.update.micro_batch"]["idle_ms"] == pytest.approx(0.05)
+    assert rows["rlkit.update.micro_batch#2"]["idle_ms"] == pytest.approx(0.0)
