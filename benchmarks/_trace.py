@@ -34,6 +34,17 @@ def _load(path: str) -> list[dict]:
         return json.load(f)["traceEvents"]
 
 
+def profiler(device, stacks: bool = False):
+    """``torch.profiler.profile`` recording the CPU and, on CUDA, the GPU; ``stacks``: Python
+    stacks too (they name the host waits' call sites but slow the host several-fold)."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.device(device).type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities, with_stack=stacks)
+
+
 def export(prof, path: str) -> list[dict]:
     """Write ``prof``'s Chrome trace to ``path`` (gzipped when it ends in .gz) and return its events."""
     import tempfile
@@ -77,11 +88,20 @@ def _is_wait(e: dict) -> bool:
     return cat == "python_function" and name.startswith("<built-in method wait of")
 
 
-def _wait_sites(waits: list[dict], frames: list[dict]) -> dict:
-    """``{site: [us, count]}``: each wait under its innermost enclosing frame on the same thread
-    (an rlkit Python frame where the trace has stacks, else the innermost operator). One sweep
-    in time order with a stack of open frames per thread (a thread's events nest)."""
-    sites = collections.defaultdict(lambda: [0.0, 0])
+def _ranked(items, k: int, width: int | None = None) -> list[tuple[str, float, int]]:
+    """``(name, ms, count)`` of the ``k`` names with the most time, from ``(name, us)`` pairs."""
+    tally = collections.defaultdict(lambda: [0.0, 0])
+    for name, us in items:
+        tally[name][0] += us
+        tally[name][1] += 1
+    return [(n[:width], t / 1e3, c) for n, (t, c) in sorted(tally.items(), key=lambda kv: -kv[1][0])[:k]]
+
+
+def _wait_sites(waits: list[dict], frames: list[dict]) -> list[tuple[str, float]]:
+    """``(site, us)`` of each wait: the wait under its innermost enclosing frame on the same
+    thread (an rlkit Python frame where the trace has stacks, else the innermost operator). One
+    sweep in time order with a stack of open frames per thread (a thread's events nest)."""
+    sites = []
     order = sorted([(f["ts"], -f["dur"], 0, i) for i, f in enumerate(frames)] + [(w["ts"], -w["dur"], 1, i) for i, w in enumerate(waits)])
     open_frames: dict = collections.defaultdict(list)
     for ts, _, is_wait, i in order:
@@ -95,9 +115,7 @@ def _wait_sites(waits: list[dict], frames: list[dict]) -> dict:
         ours = next((f for f in reversed(stack) if f.get("cat") == "python_function" and "rlkit" in f["name"]), None)
         pick = ours or next((f for f in reversed(stack) if f.get("cat") == "cpu_op" and f is not e), None)
         what = "Work.wait" if e["name"].startswith("<built-in method wait") else e["name"]
-        site = f"{pick['name'][:70]} > {what}" if pick is not None else what
-        sites[site][0] += e["dur"]
-        sites[site][1] += 1
+        sites.append((f"{pick['name'][:70]} > {what}" if pick is not None else what, e["dur"]))
     return sites
 
 
@@ -166,27 +184,17 @@ def summarise(events: list[dict], top: int = 15, per_phase: int = 0, phases: tup
         }
         if per_phase:
             inside = [e for e in kernels if e["ts"] >= lo and e["ts"] + e["dur"] <= hi]
-            names = collections.defaultdict(lambda: [0.0, 0])
-            for e in inside:
-                names[e["name"]][0] += e["dur"]
-                names[e["name"]][1] += 1
             rows[key]["kernels"] = len(inside)
-            rows[key]["top"] = [(n[:90], t / 1e3, c) for n, (t, c) in sorted(names.items(), key=lambda kv: -kv[1][0])[:per_phase]]
+            rows[key]["top"] = _ranked(((e["name"], e["dur"]) for e in inside), per_phase, width=90)
             mine = [e for e in waits if e["ts"] >= lo and e["ts"] + e["dur"] <= hi]
             frames = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("python_function", "cpu_op", "cuda_runtime")
                       and e["ts"] < hi and e["ts"] + e["dur"] > lo]
-            sites = _wait_sites(mine, frames)
-            rows[key]["waits"] = [(n, t / 1e3, c) for n, (t, c) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:per_phase]]
+            rows[key]["waits"] = _ranked(_wait_sites(mine, frames), per_phase)
             mine_frames = [f for f in frames + [e for e in ranges_all if e["ts"] < hi and e["ts"] + e["dur"] > lo]
                            if f.get("tid") == r.get("tid")]
             gaps = sorted(_gaps(c + k, lo, hi), key=lambda g: g[0] - g[1])[:per_phase]
             rows[key]["gaps"] = [((a - lo) / 1e3, (b - a) / 1e3, _host_in(a, b, mine_frames)) for a, b in gaps]
-    by_name = collections.defaultdict(lambda: [0.0, 0])
-    for e in kernels:
-        by_name[e["name"]][0] += e["dur"]
-        by_name[e["name"]][1] += 1
-    top_kernels = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"phases": rows, "top_kernels": [(n[:90], t / 1e3, c) for n, (t, c) in top_kernels]}
+    return {"phases": rows, "top_kernels": _ranked(((e["name"], e["dur"]) for e in kernels), top, width=90)}
 
 
 def print_summary(s: dict) -> None:

@@ -185,25 +185,25 @@ def grpo_phases(state, prompts, wl: Workload, clock: Clock, reward_fn, *, beta: 
     from rlkit.transforms.score import score
     from rlkit.transforms.update import update
 
+    def passes(batch, timed: bool):
+        """The old-policy and reference passes the workload asks for, each its own phase when ``timed``."""
+        for wanted, name, fn in ((wl.old_logprobs is True and old_pass, "old_logprobs", compute_old_logprobs),
+                                 (bool(beta), "ref_logprobs", compute_ref_logprobs)):
+            if wanted:
+                with clock(name) if timed else contextlib.nullcontext():
+                    batch = fn(state, batch, micro_batch_size=wl.logprob_micro_batch)
+        return batch
+
     with clock("rollout"):
         batch = rollout(state, prompts, n=wl.n, max_new_tokens=wl.max_new_tokens, ignore_stop=wl.ignore_eos,
                         decode=not wl.overlap)
     if wl.overlap:
         with clock("passes_score", wait=False):
-            if wl.old_logprobs is True and old_pass:
-                batch = compute_old_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
-            if beta:
-                batch = compute_ref_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
-            batch = advantage(score(batch, reward_fn, tokenizer=state.tokenizer), "grpo")
+            batch = advantage(score(passes(batch, timed=False), reward_fn, tokenizer=state.tokenizer), "grpo")
     else:
         with clock("score_advantage"):
             batch = advantage(score(batch, reward_fn), "grpo")
-        if wl.old_logprobs is True and old_pass:
-            with clock("old_logprobs"):
-                batch = compute_old_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
-        if beta:
-            with clock("ref_logprobs"):
-                batch = compute_ref_logprobs(state, batch, micro_batch_size=wl.logprob_micro_batch)
+        batch = passes(batch, timed=True)
     with clock("update"):
         state, metrics = update(state, batch, loss="ppo_clip", kl=("low_var_kl", beta) if beta else None,
                                 micro_batch_size=micro_batch, old="current" if wl.old_logprobs == "current" else "batch")

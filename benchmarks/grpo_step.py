@@ -92,12 +92,9 @@ def grpo_step(state, prompts, wl, device):
 def profile_step(state, prompts, wl, device, path: str, stacks: bool = False):
     """One more step under ``torch.profiler``; writes the Chrome trace to ``path`` (gzipped when it
     ends in .gz) and prints ``_trace.py``'s per-phase summary with each phase's top kernels."""
-    from _trace import export, print_summary, summarise
+    from _trace import export, print_summary, profiler, summarise
 
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities, with_stack=stacks) as prof:
+    with profiler(device, stacks) as prof:
         state, _, _ = grpo_step(state, prompts, wl, device)
     events = export(prof, path)
     print(f"-- profiled step, trace {os.path.basename(path)}", flush=True)

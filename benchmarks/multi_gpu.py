@@ -171,16 +171,13 @@ def _run_steps(plan, state, prompts, device, steps: int, warmup: int, profile: s
 
 
 def _profiled_step(plan, state, prompts, device, path: str, stacks: bool = False):
-    from _trace import export, print_summary, summarise
+    from _trace import export, print_summary, profiler, summarise
 
     for _ in range(2):  # warm-up before tracing (compile, CUDA graphs, caches)
         _barrier(device)
         state, _ = plan.step(state, prompts)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
     _barrier(device)
-    with torch.profiler.profile(activities=activities, with_stack=stacks) as prof:
+    with profiler(device, stacks) as prof:
         state, _ = plan.step(state, prompts)
         _barrier(device)
     if _rank() == 0:
