@@ -32,8 +32,9 @@ Scenarios (each catches its own exceptions and records ``{"error": ...}``):
   rank 0 built from the same full weights (cloned before sharding; eager, as the TP engine runs);
   token agreement fraction and first divergence. Throughput: generated tokens/s of a
   ``rollout`` (temperature 1, n samples) with the TP engine vs the plain replicated engine at the
-  same N (``lower(tp=1)``, rlkit's defaults: CUDA graphs, fused weights, compiled pieces on GPU)
-  and vs a replicated eager engine (no graphs/fusion/compile: what the TP engine gives up).
+  same N (``lower(tp=1)``, rlkit's defaults: CUDA graphs, fused weights, compiled pieces on GPU),
+  and both with the eager engine (no graphs/fusion/compile) side by side; ``tp_engine`` records
+  which fast paths the TP engine kept (a failed graph capture or compile falls back quietly).
 
 Training-side ``torch.compile`` (``rk.init(compile=...)``, rlkit's default "auto" compiles on
 CUDA) is off unless ``--compile auto``: its warm-up would dominate a short run. The engine keeps
@@ -359,7 +360,18 @@ def _timed_rollouts(state, prompts, wl, device, steps: int, warmup: int, **kw) -
             times.append(time.perf_counter() - t0)
             tokens.append(float(batch["response_mask"].sum()))
     s = statistics.median(times)
-    return {"seconds_median": s, "tokens": statistics.median(tokens), "tokens_per_s": statistics.median(tokens) / s}
+    from rlkit import rollout_metrics
+
+    graphs = rollout_metrics(batch).get("rollout/graphs")
+    return {"seconds_median": s, "tokens": statistics.median(tokens), "tokens_per_s": statistics.median(tokens) / s,
+            "steps": steps, "cuda_graphs_captured": graphs}
+
+
+def _engine_flags(engine) -> dict:
+    """Which of the engine's fast paths are on (a capture or compile failure turns them off quietly)."""
+    plan = getattr(engine, "_plan", None)
+    return {"cuda_graphs": engine.cuda_graphs, "graph_capture_failed": bool(plan is not None and plan.graph_failed),
+            "fused": engine.fused, "compiled": engine._compiled is not None, "compile_error": engine.compile_error}
 
 
 def scenario_tp(args, device) -> dict:
@@ -401,7 +413,15 @@ def scenario_tp(args, device) -> dict:
     _barrier(device)
     out["greedy_tp_seconds"] = time.perf_counter() - t0
     out["tp_sampling"] = _timed_rollouts(state, prompts, wl, device, args.steps, args.warmup)
-    del state, plan, model
+    tp_engine = state._cache["engine"]
+    out["tp_engine"] = _engine_flags(tp_engine)
+    # the same shards through the plain eager step (what TP generation ran before it took graphs,
+    # fusion and compiled pieces): the side-by-side baseline of those
+    eager_tp = TorchEngine(config, dict(tp_engine.weights), pad_token_id=tok.pad_token_id, tp_group=tp_engine.tp_group,
+                           cuda_graphs=False, fuse=False, compile_decode=False)
+    eager_tp.policy_version = state.policy_version
+    out["tp_eager_sampling"] = _timed_rollouts(state, prompts, wl, device, min(args.steps, 2), 0, engine=eager_tp)
+    del state, plan, model, tp_engine, eager_tp
     _free(device)
 
     # the plain replicated engine at the same N (rlkit's defaults), on a fresh copy of the model
@@ -414,7 +434,7 @@ def scenario_tp(args, device) -> dict:
     # ... and a replicated eager engine (what the TP engine runs: no CUDA graphs, fusion or compile)
     eager = TorchEngine(config, full, pad_token_id=tok.pad_token_id, cuda_graphs=False, fuse=False, compile_decode=False)
     eager.policy_version = state.policy_version
-    out["replicated_eager_sampling"] = _timed_rollouts(state, prompts, wl, device, args.steps, args.warmup, engine=eager)
+    out["replicated_eager_sampling"] = _timed_rollouts(state, prompts, wl, device, min(args.steps, 2), 0, engine=eager)
     del state, plan, eager
     _free(device)
 
@@ -453,10 +473,14 @@ def _tp_float32_check(args, device, step, greedy, k) -> dict:
         plan = Pipeline(step, reward).lower(tp=k, mixed_precision=False)
         state = plan.shard(state)
         tp_greedy = rollout(state, prompts, **greedy)
-        res: dict = {}
+        res: dict = {"tp_engine": _engine_flags(state._cache["engine"])}
         if _rank() == 0:
             gen = _single_device_greedy(config, full, tok, prompts, greedy)
-            res = _compare_tokens(gen.response_ids, gen.response_mask, tp_greedy["response_ids"], tp_greedy["response_mask"])
+            res.update(_compare_tokens(gen.response_ids, gen.response_mask, tp_greedy["response_ids"], tp_greedy["response_mask"]))
+            # one device with the fast paths too (graphs, fusion, compiled pieces): how far those
+            # alone move float32 greedy tokens, apart from the layout
+            fast = _single_device_greedy(config, full, tok, prompts, greedy, fast=True)
+            res["single_device_fast_vs_eager"] = _compare_tokens(gen.response_ids, gen.response_mask, fast.response_ids, fast.response_mask)
         _barrier(device)
         del state, plan, model, full
         _free(device)
@@ -465,12 +489,14 @@ def _tp_float32_check(args, device, step, greedy, k) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
 
 
-def _single_device_greedy(config, full, tok, prompts, greedy):
-    """Greedy generation of one eager engine on the full weights: the reference of the tp scenario."""
+def _single_device_greedy(config, full, tok, prompts, greedy, fast: bool = False):
+    """Greedy generation of one eager engine on the full weights: the reference of the tp scenario
+    (``fast``: the engine's defaults instead, CUDA graphs, fusion and compiled pieces on GPU)."""
     from rlkit.engines import SamplingParams, TorchEngine
 
     eos = tok.eos_token_id
-    ref = TorchEngine(config, full, pad_token_id=tok.pad_token_id, cuda_graphs=False, fuse=False, compile_decode=False)
+    plain = {} if fast else dict(cuda_graphs=False, fuse=False, compile_decode=False)
+    ref = TorchEngine(config, full, pad_token_id=tok.pad_token_id, **plain)
     return ref.generate(prompts.ids, SamplingParams(stop_token_ids=(eos,) if eos is not None else (), **greedy))
 
 
@@ -485,6 +511,7 @@ def _tp_reference(out, config, full, tok, prompts, greedy, tp_greedy, rep_greedy
     out["tp_vs_replicated_speedup"] = out["tp_sampling"]["tokens_per_s"] / out["replicated_sampling"]["tokens_per_s"]
     out["tp_vs_replicated_eager_speedup"] = (out["tp_sampling"]["tokens_per_s"]
                                              / out["replicated_eager_sampling"]["tokens_per_s"])
+    out["tp_vs_tp_eager_speedup"] = out["tp_sampling"]["tokens_per_s"] / out["tp_eager_sampling"]["tokens_per_s"]
 
 
 RUNNERS = {"colocated": scenario_colocated, "split": scenario_split, "tp": scenario_tp}
@@ -542,10 +569,19 @@ def print_table(result: dict) -> None:
             f32 = r.get("float32_check", {})
             rows.append(("tp: greedy vs 1 device, float32", f"agreement {f32.get('token_agreement')}, rows identical "
                          f"{f32.get('rows_identical_frac')}" if "error" not in f32 else f"error {f32['error'][:80]}"))
-            for key, label in (("tp_sampling", f"TP({r['tp']})"), ("replicated_sampling", "replicated (default engine)"),
+            fe = f32.get("single_device_fast_vs_eager", {})
+            if fe:
+                rows.append(("tp: (1 device fast vs eager, f32)", f"agreement {fe.get('token_agreement')}, rows identical "
+                             f"{fe.get('rows_identical_frac')}"))
+            flags = r.get("tp_engine", {})
+            rows.append(("tp: TP engine paths", ", ".join(f"{k} {v}" for k, v in flags.items())))
+            for key, label in (("tp_sampling", f"TP({r['tp']}) (default engine)"), ("tp_eager_sampling", f"TP({r['tp']}) (eager engine)"),
+                               ("replicated_sampling", "replicated (default engine)"),
                                ("replicated_eager_sampling", "replicated (eager engine)")):
-                s = r[key]
-                rows.append((f"tp: {label}", f"{s['tokens_per_s']:,.0f} tokens/s ({_fmt_s(s['seconds_median'])})"))
+                s = r.get(key)
+                if s:
+                    rows.append((f"tp: {label}", f"{s['tokens_per_s']:,.0f} tokens/s ({_fmt_s(s['seconds_median'])}, "
+                                 f"graphs {s.get('cuda_graphs_captured')})"))
     width = max(len(k) for k, _ in rows)
     print("\n" + "-" * (width + 60))
     for k, v in rows:

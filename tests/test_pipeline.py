@@ -213,10 +213,12 @@ def _tp_worker():
         engine = state._cache["engine"]
         prompts = task.train.batch_at(0, 4, shuffle=False)
         before = rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=0.0)
+        sampled = rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=1.0)
         state, _ = rk.update(state, _batch(_model(task, heads=4, kv_heads=2), task))
         after = rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=0.0)
         q = engine.weights["model.layers.0.self_attn.q_proj.weight"]
         return {"before": before["response_ids"].clone(), "after": after["response_ids"].clone(),
+                "sampled": sampled["response_ids"].clone(),
                 "q_rows": q.shape[0], "heads": engine.num_heads, "sync": rk.rollout_metrics(after)}
     finally:
         shutdown()
@@ -224,7 +226,8 @@ def _tp_worker():
 
 def test_tensor_parallel_generation_after_resharding():
     """FSDP(2) training layout -> TP(2) generation: each rank holds half of every attention/MLP
-    weight, and greedy tokens equal the single-process engine's, before and after an update."""
+    weight, and greedy tokens equal the single-process engine's, before and after an update, as
+    do sampled tokens under the same rollout key."""
     from rlkit.parallel.local import run_local
 
     results = run_local(_tp_worker, 2, timeout=240)
@@ -234,11 +237,15 @@ def test_tensor_parallel_generation_after_resharding():
     state = rk.init(model, _spec(), tokenizer=task.tokenizer)
     prompts = task.train.batch_at(0, 4, shuffle=False)
     before = rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=0.0)
+    sampled = rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=1.0)
     state, _ = rk.update(state, _batch(_model(task, heads=4, kv_heads=2), task))
     after = rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=0.0)
     for r in results:
         assert r["q_rows"] * 2 == full_rows and r["heads"] == model.config.num_attention_heads // 2
         assert torch.equal(r["before"], before["response_ids"])
+        # both TP ranks draw the rollout key's noise: the same samples as one process
+        width = sampled["response_ids"].shape[1]
+        assert torch.equal(r["sampled"][:, :width], sampled["response_ids"])
         width = after["response_ids"].shape[1]
         assert torch.equal(r["after"][:, :width], after["response_ids"])
         assert r["sync"]["sync/bytes"] > 0

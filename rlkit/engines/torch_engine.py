@@ -39,6 +39,14 @@ entry before it is the RMSNorm and the q|k|v product only.
 GQA decode attention never repeats key/value heads: the ``g = heads / kv_heads`` query heads of
 one kv head are laid out as ``g`` query rows against that head's cache, ``(b kvh g d)``.
 
+Tensor parallelism (``tp_group``): the weights are this rank's Megatron-LM shards (column
+slices of q/k/v and gate/up, row slices of o and down; :func:`rlkit.parallel.tensor_parallel`
+builds them), each rank attends over its own heads, and the two row-parallel partial sums of a
+layer are all-reduced over the group. Fusion, the compiled pieces (the all-reduces run between
+them) and CUDA graphs (NCCL collectives are captured with the step) apply as without TP. The
+ranks of a group sample the same tokens: they compute the same full logits and draw the same
+noise from the same generator state.
+
 Sampling: logits -> / temperature -> top-k -> top-p -> sample with the exponential-race trick
 (``argmax(log p - log E)``, ``E ~ Exp(1)``, i.e. Gumbel-max), which samples exactly from
 ``p``. The behaviour log-prob is ``log p(token)`` under that processed distribution; greedy
@@ -152,16 +160,11 @@ def _post_attention_tp(layer: dict, x: torch.Tensor, attn: torch.Tensor, shape: 
     the matching row slice of o/down, so the two row-parallel products are partial sums that an
     all-reduce over the TP group completes (Megatron-LM's layout, Shoeybi et al. 2019)."""
     import torch.distributed as dist
-    from transformers.activations import ACT2FN
 
-    eps, activation = shape[3], shape[4]
     out = _linear(attn, layer, "self_attn.o_proj")
     dist.all_reduce(out, group=group)
     x = x + out
-    h = _rms_norm(x, layer["post_attention_layernorm.weight"], eps)
-    gate, up = _linear(h, layer, "mlp.gate_proj"), _linear(h, layer, "mlp.up_proj")
-    act = F.silu(gate) if activation == "silu" else ACT2FN[activation](gate)
-    down = _linear(act * up, layer, "mlp.down_proj")
+    down = _mlp(layer, x, shape)
     dist.all_reduce(down, group=group)
     return x + down
 
@@ -189,20 +192,34 @@ def _layer_qkv(layer: dict, x: torch.Tensor, delta: torch.Tensor | None, shape: 
     return (x, *_qkv(layer, x, shape))
 
 
-def _layer_out(layer: dict, x: torch.Tensor, attn: torch.Tensor, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_post_attention` without its last residual add: returns ``(x, mlp_out)``; the next
-    :func:`_layer_in` (or the final norm) adds them."""
+def _mlp(layer: dict, x: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """post-attention RMSNorm -> act(gate) * up -> down (no residual). Under tensor parallelism the
+    result is this rank's partial sum (row-parallel down projection)."""
     from transformers.activations import ACT2FN
 
     eps, activation = shape[3], shape[4]
-    x = x + _linear(attn, layer, "self_attn.o_proj")
     h = _rms_norm(x, layer["post_attention_layernorm.weight"], eps)
     if "mlp.gate_up_proj.weight" in layer:
         gate, up = _linear(h, layer, "mlp.gate_up_proj").chunk(2, dim=-1)
     else:
         gate, up = _linear(h, layer, "mlp.gate_proj"), _linear(h, layer, "mlp.up_proj")
     act = F.silu(gate) if activation == "silu" else ACT2FN[activation](gate)
-    return x, _linear(act * up, layer, "mlp.down_proj")
+    return _linear(act * up, layer, "mlp.down_proj")
+
+
+def _layer_out(layer: dict, x: torch.Tensor, attn: torch.Tensor, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_post_attention` without its last residual add: returns ``(x, mlp_out)``; the next
+    :func:`_layer_in` (or the final norm) adds them."""
+    x = x + _linear(attn, layer, "self_attn.o_proj")
+    return x, _mlp(layer, x, shape)
+
+
+def _layer_mlp(layer: dict, x: torch.Tensor, attn_out: torch.Tensor, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensor-parallel decode step's :func:`_layer_out` after the o projection's all-reduce:
+    ``x + attn_out`` -> :func:`_mlp`; returns ``(x, partial mlp_out)``, whose all-reduce the next
+    layer entry adds."""
+    x = x + attn_out
+    return x, _mlp(layer, x, shape)
 
 
 def _final_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -218,17 +235,19 @@ FUSE_DECODE_EPILOGUES = True
 #: so benchmarks can time both
 FUSE_ROTARY_ATTENTION = True
 
+#: the functions :func:`_compiled_layer_pieces` compiles, in the order of ``TorchEngine._compiled``
+_DECODE_PIECES = (_pre_attention, _post_attention, _layer_in, _layer_out, _final_norm, _layer_qkv, _layer_mlp)
 _COMPILED: tuple | None = None
 
 
 def _compiled_layer_pieces() -> tuple:
-    """``(pre, post, layer_in, layer_out, final_norm, layer_qkv)`` compiled once per process. The weights are
+    """``(pre, post, layer_in, layer_out, final_norm, layer_qkv, layer_mlp)`` compiled once per process. The weights are
     inputs, so one graph serves every layer of every engine of the same config; shapes start
     static and the first new shape (another batch size or cache length) recompiles them as
     dynamic, so a process never runs into dynamo's recompile limit and silently goes eager."""
     global _COMPILED
     if _COMPILED is None:
-        _COMPILED = tuple(torch.compile(fn, dynamic=None) for fn in (_pre_attention, _post_attention, _layer_in, _layer_out, _final_norm, _layer_qkv))
+        _COMPILED = tuple(torch.compile(fn, dynamic=None) for fn in _DECODE_PIECES)
     return _COMPILED
 
 
@@ -652,8 +671,9 @@ class TorchEngine:
                 raise ValueError("tensor-parallel generation does not support biases on o_proj/down_proj")
             self.num_heads //= self.tp_size
             self.num_kv_heads //= self.tp_size
-            # collectives inside the step: keep the plain eager path (no graphs, compile or fusion)
-            cuda_graphs, fuse, compile_decode = False, False, False
+            # fusion, compiled pieces and CUDA graphs work on this rank's shards as they do on full
+            # weights: q|k|v and gate|up concatenate the local column slices, the all-reduces run
+            # between the compiled pieces, and NCCL collectives are captured in the decode graphs
         self._shape = (self.num_heads, self.num_kv_heads, self.head_dim, float(self.eps), str(config.hidden_act))
         self.layers = []
         for i in range(self.num_layers):
@@ -813,7 +833,8 @@ class TorchEngine:
         if compiled and self._compiled is not None:
             shape = self._shape
             pre = lambda layer, x, cos, sin: self._compiled[0](layer, x, cos, sin, shape)  # noqa: E731
-            post = lambda layer, x, attn: self._compiled[1](layer, x, attn, shape)  # noqa: E731
+            if self.tp_size == 1:  # the tensor-parallel half keeps its all-reduces outside compiled code
+                post = lambda layer, x, attn: self._compiled[1](layer, x, attn, shape)  # noqa: E731
         x = F.embedding(ids, self.weights["model.embed_tokens.weight"])
         for i, layer in enumerate(self.layers):
             q, k, v = pre(layer, x, cos, sin)
@@ -923,7 +944,19 @@ class TorchEngine:
             return out.reshape(b, 1, kvh * groups * d)
 
         if plan.compiled and self._compiled is not None and FUSE_DECODE_EPILOGUES:
-            layer_in, layer_out, final_norm, layer_qkv = self._compiled[2:]
+            layer_in, layer_out, final_norm, layer_qkv, layer_mlp = self._compiled[2:]
+            if self.tp_size > 1:
+                import torch.distributed as dist
+
+                def layer_out(layer, x, attn, shape):
+                    """o projection -> all-reduce -> compiled MLP; the MLP's partial sum is all-reduced
+                    before the next layer entry adds it (collectives stay outside compiled code)."""
+                    out = _linear(attn, layer, "self_attn.o_proj")
+                    dist.all_reduce(out, group=self.tp_group)
+                    x, mlp_out = layer_mlp(layer, x, out, shape)
+                    dist.all_reduce(mlp_out, group=self.tp_group)
+                    return x, mlp_out
+
             x, delta = F.embedding(state.tokens[:, None], self.weights["model.embed_tokens.weight"]), None
             for i, layer in enumerate(self.layers):
                 if triton_attention and FUSE_ROTARY_ATTENTION:

@@ -18,8 +18,7 @@ from rlkit.models import response_logprobs
 
 @pytest.fixture
 def eager_backend_pieces(monkeypatch):
-    pieces = (te._pre_attention, te._post_attention, te._layer_in, te._layer_out, te._final_norm, te._layer_qkv)
-    monkeypatch.setattr(te, "_COMPILED", tuple(torch.compile(fn, backend="eager", dynamic=False) for fn in pieces))
+    monkeypatch.setattr(te, "_COMPILED", tuple(torch.compile(fn, backend="eager", dynamic=False) for fn in te._DECODE_PIECES))
 
 
 def _triton_interpreted() -> bool:
@@ -59,7 +58,7 @@ def test_a_failing_compiled_step_falls_back_to_eager(model, prompts, monkeypatch
     def broken(*args, **kwargs):
         raise RuntimeError("compiler exploded")
 
-    monkeypatch.setattr(te, "_COMPILED", (broken,) * 6)
+    monkeypatch.setattr(te, "_COMPILED", (broken,) * len(te._DECODE_PIECES))
     params = SamplingParams(n=1, max_new_tokens=6, temperature=0, ignore_stop=True)
     engine = TorchEngine.from_model(model, compile_decode=True)
     out = engine.generate(prompts, params)
