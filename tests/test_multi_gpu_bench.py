@@ -67,8 +67,12 @@ def test_two_processes_every_scenario(two):
     assert greedy["first_divergence_min"] is None
     assert wl.n_prompts <= greedy["tokens_compared"] <= wl.n_prompts * wl.max_new_tokens
     assert tp["reshard_bytes_total"] > 0
-    for key in ("tp_sampling", "replicated_sampling", "replicated_eager_sampling"):
+    for key in ("tp_sampling", "tp_eager_sampling", "replicated_sampling", "replicated_eager_sampling"):
         assert tp[key]["tokens_per_s"] > 0 and tp[key]["tokens"] >= wl.rows
+    # on CPU the engine's fast paths are off by default; the record says so (on GPU: all on)
+    assert tp["tp_engine"] == {"cuda_graphs": False, "graph_capture_failed": False, "fused": False, "compiled": False,
+                               "compile_error": None}
+    assert tp["float32_check"]["single_device_fast_vs_eager"]["token_agreement"] == 1.0
 
 
 def test_one_process_and_compare(two, tmp_path):
