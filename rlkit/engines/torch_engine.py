@@ -159,14 +159,8 @@ def _post_attention_tp(layer: dict, x: torch.Tensor, attn: torch.Tensor, shape: 
     """Tensor-parallel :func:`_post_attention`: this rank holds a column slice of q/k/v/gate/up and
     the matching row slice of o/down, so the two row-parallel products are partial sums that an
     all-reduce over the TP group completes (Megatron-LM's layout, Shoeybi et al. 2019)."""
-    import torch.distributed as dist
-
-    out = _linear(attn, layer, "self_attn.o_proj")
-    dist.all_reduce(out, group=group)
-    x = x + out
-    down = _mlp(layer, x, shape)
-    dist.all_reduce(down, group=group)
-    return x + down
+    x, mlp_out = _layer_out_tp(layer, x, attn, shape, group)
+    return x + mlp_out
 
 
 def _layer_in(layer: dict, x: torch.Tensor, delta: torch.Tensor | None, cos, sin, shape: tuple, k_cache, v_cache, slot):
@@ -220,6 +214,19 @@ def _layer_mlp(layer: dict, x: torch.Tensor, attn_out: torch.Tensor, shape: tupl
     layer entry adds."""
     x = x + attn_out
     return x, _mlp(layer, x, shape)
+
+
+def _layer_out_tp(layer: dict, x: torch.Tensor, attn: torch.Tensor, shape: tuple, group, layer_mlp=None):
+    """Tensor-parallel :func:`_layer_out`: o projection -> all-reduce -> ``layer_mlp`` (default
+    :func:`_layer_mlp`; the decode step passes its compiled copy) -> all-reduce of the MLP's partial
+    sum. Returns ``(x, mlp_out)``; the collectives stay outside compiled code."""
+    import torch.distributed as dist
+
+    out = _linear(attn, layer, "self_attn.o_proj")
+    dist.all_reduce(out, group=group)
+    x, mlp_out = (layer_mlp or _layer_mlp)(layer, x, out, shape)
+    dist.all_reduce(mlp_out, group=group)
+    return x, mlp_out
 
 
 def _final_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -946,16 +953,8 @@ class TorchEngine:
         if plan.compiled and self._compiled is not None and FUSE_DECODE_EPILOGUES:
             layer_in, layer_out, final_norm, layer_qkv, layer_mlp = self._compiled[2:]
             if self.tp_size > 1:
-                import torch.distributed as dist
-
                 def layer_out(layer, x, attn, shape):
-                    """o projection -> all-reduce -> compiled MLP; the MLP's partial sum is all-reduced
-                    before the next layer entry adds it (collectives stay outside compiled code)."""
-                    out = _linear(attn, layer, "self_attn.o_proj")
-                    dist.all_reduce(out, group=self.tp_group)
-                    x, mlp_out = layer_mlp(layer, x, out, shape)
-                    dist.all_reduce(mlp_out, group=self.tp_group)
-                    return x, mlp_out
+                    return _layer_out_tp(layer, x, attn, shape, self.tp_group, layer_mlp)
 
             x, delta = F.embedding(state.tokens[:, None], self.weights["model.embed_tokens.weight"]), None
             for i, layer in enumerate(self.layers):
