@@ -201,19 +201,18 @@ def _mlp(layer: dict, x: torch.Tensor, shape: tuple) -> torch.Tensor:
     return _linear(act * up, layer, "mlp.down_proj")
 
 
+def _layer_mlp(layer: dict, x: torch.Tensor, attn_out: torch.Tensor, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x + attn_out`` (the o projection's output) -> :func:`_mlp`; returns ``(x, mlp_out)``.
+    The tensor-parallel decode step calls it after the o projection's all-reduce, so there
+    ``mlp_out`` is this rank's partial sum."""
+    x = x + attn_out
+    return x, _mlp(layer, x, shape)
+
+
 def _layer_out(layer: dict, x: torch.Tensor, attn: torch.Tensor, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_post_attention` without its last residual add: returns ``(x, mlp_out)``; the next
     :func:`_layer_in` (or the final norm) adds them."""
-    x = x + _linear(attn, layer, "self_attn.o_proj")
-    return x, _mlp(layer, x, shape)
-
-
-def _layer_mlp(layer: dict, x: torch.Tensor, attn_out: torch.Tensor, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tensor-parallel decode step's :func:`_layer_out` after the o projection's all-reduce:
-    ``x + attn_out`` -> :func:`_mlp`; returns ``(x, partial mlp_out)``, whose all-reduce the next
-    layer entry adds."""
-    x = x + attn_out
-    return x, _mlp(layer, x, shape)
+    return _layer_mlp(layer, x, _linear(attn, layer, "self_attn.o_proj"), shape)
 
 
 def _layer_out_tp(layer: dict, x: torch.Tensor, attn: torch.Tensor, shape: tuple, group, layer_mlp=None):
