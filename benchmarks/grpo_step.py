@@ -406,6 +406,8 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
     ]
     sharing = L.shares_prompts(device)
     configs.append((f"prompts {'not ' if sharing else ''}shared in the training forward", {}, "share"))
+    if device.type == "cpu":
+        configs.append(("rollout engine's decode step compiled (TorchEngine(compile_decode=True))", {}, "compiled_engine"))
     if device.type == "cuda":
         configs.append(("update in one piece (micro-batch 256)", dict(micro_batch=256), None))
         if is_compiled(model):
@@ -419,8 +421,14 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
                         uncompile_layers(m)
             if mode == "share":
                 L.SHARE_PROMPTS = not sharing
+            if mode == "compiled_engine":
+                from rlkit.engines import TorchEngine
+
+                default_engine = state._cache.get("engine")
+                state._cache["engine"] = TorchEngine.from_model(state.actor, compile_decode=True)
             times, metrics = [], []
-            for i in range(4):  # one warm-up step, three timed
+            timed = 3 if device.type == "cuda" else 10  # CPU steps are short and noisier
+            for i in range(1 + timed):  # one warm-up step (the compiling one, where anything compiles)
                 state, t, m = grpo_step(state, prompts, cwl, device)
                 print(f"[{name}] step {i}: " + ", ".join(f"{k} {v:.3f}s" for k, v in t.items()), flush=True)
                 if i:
@@ -436,6 +444,11 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
             traceback.print_exc()
         finally:
             L.SHARE_PROMPTS = "auto"
+            if mode == "compiled_engine":
+                engine = state._cache.get("engine")
+                if engine is not None and getattr(engine, "compile_error", None):
+                    out[name]["compile_error"] = engine.compile_error
+                state._cache["engine"] = default_engine
             if mode == "eager":
                 for m in (state.actor, state.ref):
                     if m is not None:

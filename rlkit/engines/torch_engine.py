@@ -31,6 +31,16 @@ On CUDA (all three are on by default there and off on CPU; each can be turned of
   in base 2 with the hardware's ``lg2``/``ex2`` and all state per lane, and a combine pass per
   row. The seed is drawn from the caller's generator once per call.
 
+``compile_decode`` (on by default on CUDA, off on CPU): on CUDA the elementwise work of each
+layer runs through ``torch.compile``d pieces between the matrix products and the attention
+kernel (``"pieces"``; the CUDA graphs capture them). On CPU, where there are no graphs to remove
+the per-operator cost, ``compile_decode=True`` compiles the whole decode step as one graph
+(``"step"``: every layer, the sampler and the bookkeeping; the sampling noise is drawn outside it
+from the caller's generator, so the same seed samples the same tokens as the eager step). It
+attends over ``cache_bucket``-sized buckets of the cache, so a call compiles a few graphs, not
+one per token. It costs seconds of compilation on the first call and pays on long runs:
+``benchmarks/README.md`` ("CPU") has the figures.
+
 Decode attention on CUDA (``decode_attention="triton"``, the default there): one Triton kernel
 per layer applies rotary to the new token's query and key, writes its key and value into the
 cache and attends over the valid cache slots (:func:`decode_attention`); the compiled layer
@@ -613,7 +623,7 @@ class TorchEngine:
         fuse: bool | None = None,
         fused_sampling: bool | None = None,
         cache_bucket: int = 64,
-        compile_decode: bool | None = None,
+        compile_decode: bool | str | None = None,
         decode_attention: str | None = None,
         tp_group=None,
     ):
@@ -707,12 +717,33 @@ class TorchEngine:
             raise ValueError("decode_attention='triton' needs Triton (pip install triton); use 'sdpa'")
         self.decode_attention = decode_attention
         self._compiled = None
+        self._whole_step = None
         self.compile_error: str | None = None
-        if on_cuda if compile_decode is None else compile_decode:
+        if compile_decode not in (None, True, False, "pieces", "step"):
+            raise ValueError(f"compile_decode must be None, True, False, 'pieces' or 'step', got {compile_decode!r}")
+        if compile_decode is None:
+            compile_decode = on_cuda
+        if compile_decode is True:
+            # CUDA graphs already remove the per-operator host cost, so pieces; on CPU the step
+            if on_cuda or self.tp_size > 1:
+                compile_decode = "pieces"
+            else:
+                compile_decode = "step"
+        if compile_decode == "step" and self.tp_size > 1:
+            raise ValueError("compile_decode='step' does not support tensor parallelism (the all-reduces stay outside "
+                             "compiled code); use compile_decode='pieces'")
+        self.compile_mode = compile_decode or None
+        if compile_decode == "pieces":
             # elementwise work between the matmuls (RMSNorm in float32, rotary, SiLU, residuals) is
             # dozens of tiny kernels per layer; at decode batch sizes their launch latency, not
             # bandwidth, sets the step time, and inductor fuses them into a few
             self._compiled = _compiled_layer_pieces()
+        elif compile_decode == "step":
+            from rlkit.models.compile import _raise_recompile_limit
+
+            # one code object for every engine: each engine and each bucket length is a variant
+            _raise_recompile_limit(64)
+            self._whole_step = torch.compile(self._decode_step_impl, dynamic=None)
         self._plan: _Plan | None = None
         self._fused: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         if on_cuda if fuse is None else fuse:
@@ -856,8 +887,9 @@ class TorchEngine:
             return torch.empty(shape, device=self.device).exponential_(generator=generator)
         return torch.empty(shape, device=generator.device).exponential_(generator=generator).to(self.device)
 
-    def _sample(self, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """(b v) f32 logits -> sampled tokens (b) and their log-probs under the processed distribution."""
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, generator, noise=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b v) f32 logits -> sampled tokens (b) and their log-probs under the processed distribution
+        (``noise``: ``Exp(1)`` draws of the logits' shape, else drawn from ``generator``)."""
         if params.temperature == 0:
             logp = torch.log_softmax(logits, dim=-1)
             tokens = logits.argmax(-1)
@@ -876,7 +908,9 @@ class TorchEngine:
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             z = z.masked_fill(drop, float("-inf"))
         logp = torch.log_softmax(z, dim=-1)
-        tokens = (logp - self._noise(logp.shape, generator).log()).argmax(-1)
+        if noise is None:
+            noise = self._noise(logp.shape, generator)
+        tokens = (logp - noise.log()).argmax(-1)
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
     def _uses_fused_sampler(self, params: SamplingParams) -> bool:
@@ -884,11 +918,11 @@ class TorchEngine:
         plain = params.temperature == 0 or ((params.top_k <= 0 or params.top_k >= vocab) and params.top_p >= 1.0)
         return self.fused_sampling and plain
 
-    def _sample_logits(self, hidden_last: torch.Tensor, params, generator, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample_logits(self, hidden_last: torch.Tensor, params, generator, plan: _Plan, noise=None) -> tuple[torch.Tensor, torch.Tensor]:
         if plan.sampler is not None:
             logits = F.linear(hidden_last, self.weights["lm_head.weight"])
             return fused_sample(logits, plan.sampler, plan.state.step, params.temperature)
-        return self._sample(self._logits(hidden_last), params, generator)
+        return self._sample(self._logits(hidden_last), params, generator, noise)
 
     def _record(self, state: _DecodeState, tokens: torch.Tensor, logprobs: torch.Tensor, params: SamplingParams) -> None:
         """Write the sampled tokens at ``state.step`` (finished rows get pad, mask False, log-prob 0)."""
@@ -906,19 +940,32 @@ class TorchEngine:
     def _decode_step(self, plan: _Plan, length: int, params: SamplingParams, generator) -> None:
         if not plan.compiled:
             return self._decode_step_impl(plan, length, params, generator)
+        noise, call = None, lambda: self._decode_step_impl(plan, length, params, generator)
+        if self._whole_step is not None:
+            # the whole step as one graph (compile_decode="step"). The noise is drawn here, from the
+            # caller's generator, as the eager step draws it (a generator inside the graph is a
+            # graph break, and inductor's own random numbers another stream); the cache length is
+            # rounded up to a bucket, so a call meets a few lengths, not one per token
+            state = plan.state
+            if params.temperature != 0 and plan.sampler is None:
+                noise = self._noise((state.tokens.shape[0], self.weights["lm_head.weight"].shape[0]), generator)
+            bucket = min(state.key_valid.shape[1], math.ceil(length / self.cache_bucket) * self.cache_bucket)
+            call = lambda: self._whole_step(plan, bucket, params, None, noise)  # noqa: E731
         try:
-            return self._decode_step_impl(plan, length, params, generator)
+            return call()
         except Exception as exc:  # noqa: BLE001 - a compiler failure must not stop generation
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise
-            # the failed step wrote only cache slots it rewrites and did not advance ``step``
-            self.compile_error, self._compiled, plan.compiled = repr(exc), None, False
-            return self._decode_step_impl(plan, length, params, generator)
+            # the failed step wrote only cache slots it rewrites and did not advance ``step``; the
+            # eager retry uses the noise already drawn, so it samples what the compiled step would have
+            self.compile_error, self._compiled, self._whole_step, plan.compiled = repr(exc), None, None, False
+            return self._decode_step_impl(plan, length, params, generator, noise)
 
-    def _decode_step_impl(self, plan: _Plan, length: int, params: SamplingParams, generator) -> None:
+    def _decode_step_impl(self, plan: _Plan, length: int, params: SamplingParams, generator, noise=None) -> None:
         """Feed the last sampled token, sample the next one, attending over cache slots ``[0, length)``.
 
-        Fixed shapes and no host sync (capturable in a CUDA graph)."""
+        Fixed shapes and no host sync (capturable in a CUDA graph). ``noise``: the sampler's
+        ``Exp(1)`` draws ``(b vocab)``, else drawn from ``generator`` here."""
         state = plan.state
         slot = (state.step - 1 + state.prompt_width).view(1)
         positions = state.prompt_lengths + state.step - 1  # (b)
@@ -965,7 +1012,7 @@ class TorchEngine:
                     attn = attention(i, q, state.k_cache[i][:, :, slot], state.v_cache[i][:, :, slot]) if triton_attention else attention(i, q)
                 x, delta = layer_out(layer, x, attn, self._shape)
             hidden = final_norm(x, delta, self.weights["model.norm.weight"], float(self.eps))
-            tokens, logprobs = self._sample_logits(hidden[:, -1], params, generator, plan)
+            tokens, logprobs = self._sample_logits(hidden[:, -1], params, generator, plan, noise)
             self._record(state, tokens, logprobs, params)
             return
 
@@ -977,7 +1024,7 @@ class TorchEngine:
             return attention(i, q)
 
         hidden = self._forward(state.tokens[:, None], cos[:, None], sin[:, None], attend, compiled=plan.compiled)
-        tokens, logprobs = self._sample_logits(hidden[:, -1], params, generator, plan)
+        tokens, logprobs = self._sample_logits(hidden[:, -1], params, generator, plan, noise)
         self._record(state, tokens, logprobs, params)
 
     # ------------------------------------------------------------------ CUDA graphs
@@ -1054,7 +1101,7 @@ class TorchEngine:
         )
         vocab = self.weights["lm_head.weight"].shape[0]
         sampler = _make_sampler(b, vocab, dev) if fused_sampler else None
-        return _Plan(key=key, state=state, sampler=sampler, compiled=self._compiled is not None)
+        return _Plan(key=key, state=state, sampler=sampler, compiled=self._compiled is not None or self._whole_step is not None)
 
     def _reset(self, plan: _Plan, prompt_mask: torch.Tensor) -> None:
         """Put a kept plan back to step 0 in place (graphs hold these addresses)."""

@@ -1,5 +1,9 @@
 """The engine's compiled decode structures compute what the plain eager step computes.
 
+On CPU ``compile_decode=True`` compiles the whole decode step as one graph (``"step"``); the
+tests below run it through inductor, as a user's CPU run does, and through dynamo's eager
+backend for the cases that only check the step's structure.
+
 On CUDA the decode step runs through ``torch.compile``d pieces; two layouts exist
 (``FUSE_DECODE_EPILOGUES``): two halves per layer with separate cache copies, or a layer entry
 that adds the previous layer's deferred MLP output and writes k/v into the cache inside the
@@ -39,7 +43,7 @@ def test_compiled_decode_equals_the_plain_step(model, prompts, eager_backend_pie
     monkeypatch.setattr(te, "FUSE_DECODE_EPILOGUES", fused_epilogues)
     monkeypatch.setattr(te, "FUSE_ROTARY_ATTENTION", rotary_in_kernel)
     params = SamplingParams(n=2, max_new_tokens=9, temperature=0, ignore_stop=True)
-    compiled = TorchEngine.from_model(model, compile_decode=True, decode_attention=attention)
+    compiled = TorchEngine.from_model(model, compile_decode="pieces", decode_attention=attention)
     assert compiled._compiled is not None
     plain = TorchEngine.from_model(model, compile_decode=False, decode_attention="sdpa")
     fast, ref = compiled.generate(prompts, params), plain.generate(prompts, params)
@@ -60,8 +64,80 @@ def test_a_failing_compiled_step_falls_back_to_eager(model, prompts, monkeypatch
 
     monkeypatch.setattr(te, "_COMPILED", (broken,) * len(te._DECODE_PIECES))
     params = SamplingParams(n=1, max_new_tokens=6, temperature=0, ignore_stop=True)
-    engine = TorchEngine.from_model(model, compile_decode=True)
+    engine = TorchEngine.from_model(model, compile_decode="pieces")
     out = engine.generate(prompts, params)
     assert "compiler exploded" in engine.compile_error and engine._compiled is None
     ref = TorchEngine.from_model(model, compile_decode=False).generate(prompts, params)
+    assert torch.equal(out.response_ids, ref.response_ids)
+
+
+# --------------------------------------------------------------------------------------------
+# compile_decode="step": the whole decode step as one graph (the CPU default of compile_decode=True)
+
+needs_cxx = pytest.mark.skipif(
+    __import__("shutil").which("g++") is None and __import__("shutil").which("c++") is None,
+    reason="inductor's CPU backend needs a C++ compiler",
+)
+
+
+def _eager_backend_step(engine):
+    """Compile the engine's step with dynamo's eager backend: the graph capture, no code generation."""
+    engine._whole_step = torch.compile(engine._decode_step_impl, backend="eager", dynamic=None)
+    return engine
+
+
+def test_compile_decode_true_means_the_whole_step_on_cpu(model):
+    engine = TorchEngine.from_model(model, compile_decode=True)
+    assert engine.compile_mode == "step" and engine._whole_step is not None and engine._compiled is None
+    assert TorchEngine.from_model(model).compile_mode is None  # off by default on CPU
+    assert TorchEngine.from_model(model, compile_decode="pieces").compile_mode == "pieces"
+    with pytest.raises(ValueError, match="compile_decode must be"):
+        TorchEngine.from_model(model, compile_decode="graph")
+
+
+@needs_cxx
+def test_inductor_compiled_step_samples_what_the_eager_step_samples(model, prompts):
+    """Through inductor's C++ kernels: with the same generator the same tokens are sampled (the
+    noise is drawn outside the graph), and the behaviour log-probs agree to float32 rounding."""
+    params = SamplingParams(n=3, max_new_tokens=10, temperature=1.0, ignore_stop=True)
+    compiled = TorchEngine.from_model(model, compile_decode=True)
+    plain = TorchEngine.from_model(model)
+    for seed in (0, 1):
+        fast = compiled.generate(prompts, params, generator=torch.Generator().manual_seed(seed))
+        ref = plain.generate(prompts, params, generator=torch.Generator().manual_seed(seed))
+        assert compiled.compile_error is None
+        assert torch.equal(fast.response_ids, ref.response_ids)
+        torch.testing.assert_close(fast.logprobs, ref.logprobs, rtol=0, atol=1e-5)
+    # a different seed samples different tokens: the noise really comes from the generator
+    other = compiled.generate(prompts, params, generator=torch.Generator().manual_seed(2))
+    assert not torch.equal(other.response_ids, fast.response_ids)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (0.7, 5, 1.0), (1.0, 0, 0.8)])
+def test_compiled_step_over_several_cache_buckets(model, prompts, tok, temperature, top_k, top_p):
+    """Greedy, top-k and top-p sampling, stop tokens, and a response long enough to cross several
+    cache buckets (each bucket length is another graph; masked slots past the filled ones)."""
+    params = SamplingParams(n=2, max_new_tokens=14, temperature=temperature, top_k=top_k, top_p=top_p,
+                            stop_token_ids=(tok.convert_tokens_to_ids("="),))
+    compiled = _eager_backend_step(TorchEngine.from_model(model, compile_decode=True, cache_bucket=4))
+    plain = TorchEngine.from_model(model, cache_bucket=4)
+    fast = compiled.generate(prompts, params, generator=torch.Generator().manual_seed(3))
+    ref = plain.generate(prompts, params, generator=torch.Generator().manual_seed(3))
+    assert compiled.compile_error is None
+    assert torch.equal(fast.response_ids, ref.response_ids) and torch.equal(fast.response_mask, ref.response_mask)
+    assert torch.equal(fast.truncated, ref.truncated)
+    # bucketed attention sums over masked slots too, a different summation order than the eager step's
+    torch.testing.assert_close(fast.logprobs, ref.logprobs, rtol=0, atol=1e-5)
+
+
+def test_a_failing_compiled_whole_step_falls_back_to_eager(model, prompts):
+    def broken(*args, **kwargs):
+        raise RuntimeError("compiler exploded")
+
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, ignore_stop=True)
+    engine = TorchEngine.from_model(model, compile_decode=True)
+    engine._whole_step = broken
+    out = engine.generate(prompts, params, generator=torch.Generator().manual_seed(0))
+    assert "compiler exploded" in engine.compile_error and engine._whole_step is None
+    ref = TorchEngine.from_model(model).generate(prompts, params, generator=torch.Generator().manual_seed(0))
     assert torch.equal(out.response_ids, ref.response_ids)
