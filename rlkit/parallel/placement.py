@@ -13,6 +13,7 @@ rollouts from several generation replicas) into one global Batch in rank order.
 """
 from __future__ import annotations
 
+from collections import abc
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -233,6 +234,9 @@ class _ShardedReward:
 
         self.fn, self.style, self.rank, self.size, self.group = fn, style, rank, size, group
         functools.update_wrapper(self, fn)  # same name and signature (inspect follows __wrapped__)
+        # rlkit.score may pass the decoded texts as LazyRows: this wrapper slices its share first,
+        # so a rank decodes only the rows it scores
+        self.reads_row_shares = True
 
     def _share(self, b: int) -> tuple[int, int]:
         return contiguous_share(b, self.rank, self.size)
@@ -268,11 +272,16 @@ class _ShardedReward:
         completions, *rest = args
         b = len(completions)
         lo, hi = self._share(b)
-        cut = lambda v: v[lo:hi] if isinstance(v, (list, tuple)) and len(v) == b else v  # noqa: E731
+
+        def cut(v):
+            """This rank's rows of a per-row argument (a list, or rlkit.score's LazyRows: decoded now)."""
+            if isinstance(v, abc.Sequence) and not isinstance(v, (str, bytes)) and len(v) == b:
+                return list(v[lo:hi])
+            return v
 
         def compute():
             if hi <= lo:
                 return []
-            return list(self.fn(cut(list(completions)), *[cut(v) for v in rest], **{k: cut(v) for k, v in kwargs.items()}))
+            return list(self.fn(cut(completions), *[cut(v) for v in rest], **{k: cut(v) for k, v in kwargs.items()}))
 
         return self._gather(compute)

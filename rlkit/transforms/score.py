@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
+from collections import abc
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -49,19 +51,69 @@ def reward_style(fn: Callable) -> str:
     return "trl"
 
 
-def _texts(batch: Batch, name: str, tokenizer) -> list[str]:
+class LazyRows(abc.Sequence):
+    """A per-row column computed on first access, a block of rows at a time, then kept.
+
+    ``score`` hands the decoded texts (and ``completion_ids``) to reward functions in this form
+    when the batch does not carry them: a reward split over data-parallel ranks
+    (:func:`rlkit.parallel.shard_reward`) then decodes only its own share of the rows, not the
+    global batch on every rank. Plain reward functions get ordinary lists
+    (:func:`materialize`)."""
+
+    def __init__(self, n: int, compute: Callable[[int, int], list]):
+        self._n, self._compute, self._rows = n, compute, [None] * n
+        self._done = [False] * n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            lo, hi, step = index.indices(self._n)
+            if step != 1:
+                return [self[i] for i in range(lo, hi, step)]
+            todo = [i for i in range(lo, hi) if not self._done[i]]
+            if todo:
+                a, b = todo[0], todo[-1] + 1  # one call for the block that is still missing
+                for i, value in zip(range(a, b), self._compute(a, b)):
+                    self._rows[i], self._done[i] = value, True
+            return self._rows[lo:hi]
+        i = operator.index(index)
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"row {index} out of range for {self._n} rows")
+        return self[i : i + 1][0]
+
+    def __iter__(self):
+        return iter(self[:])
+
+
+def materialize(values):
+    """A plain list of a :class:`LazyRows` (computing what is missing), anything else unchanged."""
+    return values[:] if isinstance(values, LazyRows) else values
+
+
+def _texts(batch: Batch, name: str, tokenizer) -> Sequence[str]:
+    """The batch's ``name`` column, else its rows decoded on demand (:class:`LazyRows`)."""
     if name in batch.keys():
         return column(batch, name)
     ids_field, mask_field = ("response_ids", "response_mask") if name == "response_text" else ("prompt_ids", "prompt_mask")
+
+    def decode(lo: int, hi: int) -> list[str]:
+        if tokenizer is None:
+            raise BatchError(f"batch has no {name!r} column and no tokenizer was given to decode {ids_field}; pass tokenizer=")
+        from rlkit.models.tokenizers import decode_batch
+
+        return decode_batch(tokenizer, row_tokens(batch[ids_field][lo:hi], batch[mask_field][lo:hi]))
+
     if tokenizer is None:
-        raise BatchError(f"batch has no {name!r} column and no tokenizer was given to decode {ids_field}; pass tokenizer=")
-    from rlkit.models.tokenizers import decode_batch
-
-    return decode_batch(tokenizer, row_tokens(batch[ids_field], batch[mask_field]))
+        decode(0, 0)  # the error now, not at the reward's first access
+    return LazyRows(batch.batch_size[0], decode)
 
 
-def _sample_desc(batch: Batch, i: int, prompts: list[str], completions: list[str]) -> str:
-    p, c = prompts[i], completions[i]
+def _sample_desc(batch: Batch, i: int, prompts: Sequence[str], completions: Sequence[str]) -> str:
+    p, c = (prompts[i] if i < len(prompts) else "?"), (completions[i] if i < len(completions) else "?")
     clip = lambda s: s if len(s) <= 80 else s[:77] + "..."  # noqa: E731
     return f"sample {i} (prompt {clip(p)!r}, response {clip(c)!r})"
 
@@ -69,11 +121,19 @@ def _sample_desc(batch: Batch, i: int, prompts: list[str], completions: list[str
 def _call_trl(fn, batch, prompts, completions) -> list[Any]:
     params = inspect.signature(fn).parameters
     has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    available: dict[str, Any] = {"prompts": prompts, "completion_ids": row_tokens(batch["response_ids"], batch["response_mask"])}
+    ids, mask = batch["response_ids"], batch["response_mask"]
+    available: dict[str, Any] = {
+        "prompts": prompts,
+        "completion_ids": LazyRows(batch.batch_size[0], lambda lo, hi: row_tokens(ids[lo:hi], mask[lo:hi])),
+    }
     for name in columns(batch):
         if name not in ("prompt_text", "response_text"):
             available[name] = column(batch, name)
     kwargs = {k: v for k, v in available.items() if has_var_kw or k in params}
+    if not getattr(fn, "reads_row_shares", False):
+        # a user's function gets plain lists; a sharded one (shard_reward) slices its own rows
+        kwargs = {k: materialize(v) for k, v in kwargs.items()}
+        completions = materialize(completions)
     return list(fn(completions, **kwargs))
 
 
@@ -96,6 +156,7 @@ def _run_one(fn: Callable, batch: Batch, prompts: list[str], completions: list[s
     if style == "batch":
         values = fn(batch)
     elif style == "verl":
+        completions = materialize(completions)  # one decode for the batch, not one per sample
         values = []
         for i in range(b):
             try:
@@ -166,6 +227,7 @@ def score(
         w = dict(zip(fns, map(float, weights)))
     needs_text = any(reward_style(fn) != "batch" for fn in fns.values())
     with torch.profiler.record_function("rlkit.score.decode"):  # names the range in a profiler trace
+        # decoded on first access (LazyRows): a reward split over ranks decodes only its rows
         completions = _texts(batch, "response_text", tokenizer) if needs_text else []
         prompts = _texts(batch, "prompt_text", tokenizer) if needs_text else []
     out = shallow_copy(batch)

@@ -54,6 +54,36 @@ def _job() -> dict:
         "calls": calls,
     }
 
+    # no text columns: score decodes the rows, and a sharded reward decodes only its share
+    import rlkit.models.tokenizers as T
+    from rlkit.batch import make_batch
+    from rlkit.models.tokenizers import char_tokenizer
+
+    tok = char_tokenizer("abcdefgh0123456789")
+    decoded: list[int] = []
+    plain_decode = T.decode_batch
+
+    def counting_decode(tokenizer, sequences):
+        decoded.append(len(sequences))
+        return plain_decode(tokenizer, sequences)
+
+    T.decode_batch = counting_decode
+    ids_batch = make_batch([tok.encode(p) for p in ["ab", "ab", "cd", "cd", "ef"]],
+                           [tok.encode(t) for t in ["1", "22", "3", "444", "5"]])
+
+    def by_text(completions, prompts, completion_ids):
+        return [float(c) + len(p) + 10 * len(i) for c, p, i in zip(completions, prompts, completion_ids)]
+
+    try:
+        sharded_text = score(ids_batch, shard_reward(by_text), tokenizer=tok)
+        out["decoded_sharded"], decoded[:] = list(decoded), []
+        single_text = score(ids_batch, by_text, tokenizer=tok)
+        out["decoded_single"] = list(decoded)
+    finally:
+        T.decode_batch = plain_decode
+    out["text_rewards"] = sharded_text["rewards"].tolist()
+    out["text_equal"] = torch.equal(sharded_text["rewards"], single_text["rewards"])
+
     def fails_on_rank_1(completions, **kwargs):
         if rank == 1:
             raise ValueError("boom")
@@ -104,3 +134,14 @@ def test_contiguous_share_covers_every_item_once_in_order():
             shares = [contiguous_share(n, r, size) for r in range(size)]
             assert [i for lo, hi in shares for i in range(lo, hi)] == list(range(n))
             assert all(hi - lo <= -(-n // size) for lo, hi in shares)
+
+
+def test_a_sharded_reward_decodes_only_its_rows(two):
+    """Without text columns score decodes the responses and prompts; under shard_reward each rank
+    decodes its own rows only (3 + 2 of 5), where one process decodes all five of each."""
+    for r in two:
+        assert r["text_equal"], r
+        assert r["text_rewards"] == pytest.approx([1 + 2 + 10, 22 + 2 + 20, 3 + 2 + 10, 444 + 2 + 30, 5 + 2 + 10])
+        assert r["decoded_single"] == [5, 5]
+    shares = {r["rank"]: r["decoded_sharded"] for r in two}
+    assert shares[0] == [3, 3] and shares[1] == [2, 2]

@@ -57,3 +57,46 @@ def test_reward_model_role_scores_the_sequences(char_tok):
     with torch.no_grad():
         ref = [rm(input_ids=torch.tensor([[5, 6, 8, 9, 10]])).logits[0, 0], rm(input_ids=torch.tensor([[7, 11]])).logits[0, 0]]
     torch.testing.assert_close(got, torch.stack(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_lazy_rows_compute_each_row_once_in_blocks():
+    from rlkit.transforms.score import LazyRows, materialize
+
+    calls = []
+
+    def compute(lo, hi):
+        calls.append((lo, hi))
+        return [f"row{i}" for i in range(lo, hi)]
+
+    rows = LazyRows(6, compute)
+    assert len(rows) == 6 and calls == []  # nothing computed before it is read
+    assert rows[2:4] == ["row2", "row3"] and calls == [(2, 4)]
+    assert rows[-1] == "row5" and calls[-1] == (5, 6)
+    assert rows[1:5] == ["row1", "row2", "row3", "row4"] and calls[-1] == (1, 5)
+    assert rows[::2] == ["row0", "row2", "row4"]
+    assert materialize(rows) == [f"row{i}" for i in range(6)] and list(rows) == materialize(rows)
+    n_calls = len(calls)
+    assert rows[:] == materialize(rows) and len(calls) == n_calls  # all cached now
+    with pytest.raises(IndexError):
+        rows[6]
+
+
+def test_reward_functions_get_plain_lists_of_decoded_text():
+    """score decodes lazily, but a user's reward sees ordinary lists (it may concatenate, pickle,
+    index with numpy, ...)."""
+    from rlkit.batch import make_batch
+    from rlkit.models.tokenizers import char_tokenizer
+    from rlkit.transforms.score import score
+
+    tok = char_tokenizer("abc123")
+    batch = make_batch([tok.encode("ab"), tok.encode("ca")], [tok.encode("12"), tok.encode("3")])
+    got = {}
+
+    def reward(completions, prompts, completion_ids):
+        got.update(completions=completions, prompts=prompts, ids=completion_ids)
+        return [1.0, 2.0]
+
+    score(batch, reward, tokenizer=tok)
+    assert got["completions"] == ["12", "3"] and got["prompts"] == ["ab", "ca"]
+    assert all(type(v) is list for v in got.values())
+    assert got["ids"] == [tok.encode("12"), tok.encode("3")]
