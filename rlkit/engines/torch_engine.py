@@ -41,7 +41,8 @@ attends over ``cache_bucket``-sized buckets of the cache, so a call compiles a f
 one per token. It costs seconds of compilation on the first call and pays on long runs:
 ``benchmarks/README.md`` ("CPU") has the figures. ``compile_decode="step"`` also runs on CUDA
 (the graphs capture the compiled step), but there it measured slower than the pieces on an H200
-(141,789 against 154,182 tokens/s on the standard workload), so ``True`` means pieces there.
+(141,789 against 154,182 and 150,341 against 157,181 tokens/s on the standard workload, two
+machines), so ``True`` means pieces there.
 
 Decode attention on CUDA (``decode_attention="triton"``, the default there): one Triton kernel
 per layer applies rotary to the new token's query and key, writes its key and value into the
