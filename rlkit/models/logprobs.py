@@ -184,15 +184,7 @@ def _padded_segments(q, k, v, q_cu, k_cu, q_max: int, k_max: int, scaling, group
     # key 0 is always a real token, so padded query slots have a non-empty softmax row (their
     # outputs are never gathered)
     mask = (j[None, None, :] <= offset[:, None, None] + i[None, :, None]) & (j[None, None, :] < k_len[:, None, None])
-    if qs.device.type == "cpu" and qs.dtype in (torch.float32, torch.float64):
-        # softmax(q k^T) v as two batched products: at these sizes (tens of tokens per segment)
-        # CPU SDPA's kernels cost more than the arithmetic (forward + backward of the CPU
-        # benchmark's response segments: 2.4 ms SDPA, 1.0 ms this; benchmarks/README.md, CPU)
-        scale = scaling if scaling is not None else qs.shape[-1] ** -0.5
-        scores = torch.matmul(qs, ks.transpose(-1, -2)).mul(scale).masked_fill(~mask[:, None], float("-inf"))
-        o = torch.matmul(scores.softmax(-1), vs)
-    else:
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[:, None], scale=scaling)  # (s H L d)
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[:, None], scale=scaling)  # (s H L d)
     return o.transpose(1, 2)[row, pos]
 
 
