@@ -744,10 +744,10 @@ class TorchEngine:
             # bandwidth, sets the step time, and inductor fuses them into a few
             self._compiled = _compiled_layer_pieces()
         elif compile_decode == "step":
-            from rlkit.models.compile import _raise_recompile_limit
+            from rlkit.models.compile import RECOMPILE_LIMIT, _raise_recompile_limit
 
             # one code object for every engine: each engine and each bucket length is a variant
-            _raise_recompile_limit(64)
+            _raise_recompile_limit(RECOMPILE_LIMIT)
             self._whole_step = torch.compile(self._decode_step_impl, dynamic=None)
         self._plan: _Plan | None = None
         self._fused: list[tuple[torch.Tensor, list[torch.Tensor]]] = []

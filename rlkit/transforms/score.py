@@ -60,9 +60,10 @@ class LazyRows(abc.Sequence):
     global batch on every rank. Plain reward functions get ordinary lists
     (:func:`materialize`)."""
 
+    _MISSING = object()
+
     def __init__(self, n: int, compute: Callable[[int, int], list]):
-        self._n, self._compute, self._rows = n, compute, [None] * n
-        self._done = [False] * n
+        self._n, self._compute, self._rows = n, compute, [self._MISSING] * n
 
     def __len__(self) -> int:
         return self._n
@@ -72,11 +73,10 @@ class LazyRows(abc.Sequence):
             lo, hi, step = index.indices(self._n)
             if step != 1:
                 return [self[i] for i in range(lo, hi, step)]
-            todo = [i for i in range(lo, hi) if not self._done[i]]
+            todo = [i for i in range(lo, hi) if self._rows[i] is self._MISSING]
             if todo:
                 a, b = todo[0], todo[-1] + 1  # one call for the block that is still missing
-                for i, value in zip(range(a, b), self._compute(a, b)):
-                    self._rows[i], self._done[i] = value, True
+                self._rows[a:b] = self._compute(a, b)
             return self._rows[lo:hi]
         i = operator.index(index)
         if i < 0:
@@ -99,16 +99,15 @@ def _texts(batch: Batch, name: str, tokenizer) -> Sequence[str]:
     if name in batch.keys():
         return column(batch, name)
     ids_field, mask_field = ("response_ids", "response_mask") if name == "response_text" else ("prompt_ids", "prompt_mask")
+    if tokenizer is None:
+        raise BatchError(f"batch has no {name!r} column and no tokenizer was given to decode {ids_field}; pass tokenizer=")
 
     def decode(lo: int, hi: int) -> list[str]:
-        if tokenizer is None:
-            raise BatchError(f"batch has no {name!r} column and no tokenizer was given to decode {ids_field}; pass tokenizer=")
         from rlkit.models.tokenizers import decode_batch
 
-        return decode_batch(tokenizer, row_tokens(batch[ids_field][lo:hi], batch[mask_field][lo:hi]))
+        with torch.profiler.record_function("rlkit.score.decode"):  # names the range in a profiler trace
+            return decode_batch(tokenizer, row_tokens(batch[ids_field][lo:hi], batch[mask_field][lo:hi]))
 
-    if tokenizer is None:
-        decode(0, 0)  # the error now, not at the reward's first access
     return LazyRows(batch.batch_size[0], decode)
 
 
@@ -226,10 +225,10 @@ def score(
             raise RewardError(f"weights has {len(weights)} values for {len(fns)} reward functions")
         w = dict(zip(fns, map(float, weights)))
     needs_text = any(reward_style(fn) != "batch" for fn in fns.values())
-    with torch.profiler.record_function("rlkit.score.decode"):  # names the range in a profiler trace
-        # decoded on first access (LazyRows): a reward split over ranks decodes only its rows
-        completions = _texts(batch, "response_text", tokenizer) if needs_text else []
-        prompts = _texts(batch, "prompt_text", tokenizer) if needs_text else []
+    # decoded on first access (LazyRows), inside each reward's range: a reward split over ranks
+    # decodes only its rows
+    completions = _texts(batch, "response_text", tokenizer) if needs_text else []
+    prompts = _texts(batch, "prompt_text", tokenizer) if needs_text else []
     out = shallow_copy(batch)
     total = torch.zeros(batch.batch_size[0])
     for key, fn in fns.items():
