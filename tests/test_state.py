@@ -34,3 +34,25 @@ def test_lr_schedule_warmup_then_cosine():
         rk.optim.adamw(lr=1e-3, schedule="cosine")
     with pytest.raises(ValueError, match="lr"):
         rk.optim.adamw(lr=-1.0)
+
+
+def test_cpu_adamw_takes_the_foreach_kernels_with_the_loops_values():
+    # the spec picks torch's foreach AdamW on CPU (fewer calls); it must step exactly as torch's
+    # CPU default, the per-parameter loop
+    g = torch.Generator().manual_seed(0)
+    shapes = [(40, 16), (16,), (16, 16), (64, 16)]
+    base = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+    spec = rk.optim.adamw(lr=1e-2, weight_decay=0.1)
+    runs = []
+    for make in (lambda ps: spec.build(ps)[0], lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False)):
+        params = [torch.nn.Parameter(b.clone()) for b in base]
+        opt = make(params)
+        for step in grads:
+            for p, gr in zip(params, step):
+                p.grad = gr.clone()
+            opt.step()
+        runs.append((opt.defaults.get("foreach"), [p.detach() for p in params]))
+    (foreach, ours), (_, loop) = runs
+    assert foreach is True
+    assert all(torch.equal(a, b) for a, b in zip(ours, loop))

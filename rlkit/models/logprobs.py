@@ -8,7 +8,9 @@ responses RIGHT-padded (the Batch layout); outputs are ``(b t)`` float32, 0 wher
 Memory: the backbone runs to hidden states once; the vocabulary projection runs only on the
 ``m = response_mask.sum()`` predicting positions, ``chunk_tokens`` rows at a time, in float32
 per chunk. Under autograd each chunk is checkpointed (recomputed in backward), so neither the
-forward nor the saved activations ever hold ``(m, vocab)`` float32 logits.
+forward nor the saved activations ever hold ``(m, vocab)`` float32 logits; a chunk with fewer
+than ``CHECKPOINT_MIN_LOGITS`` logits (a small vocabulary) keeps them instead, which costs at
+most a few of those tensors and saves recomputing the head (the same values and gradients).
 
 On CUDA (bf16/fp16) two paths replace the generic ones:
 
@@ -299,6 +301,8 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, dropout:
         raise RuntimeError(f"rlkit shared-prefix attention supports no attention dropout ({dropout}) or sliding window ({sliding_window})")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (n h d)
     groups = q.shape[1] // k.shape[1]
+    if not _flash_ok(q):
+        return _shared_padded(q, k, v, layout, scaling, groups)[None], None
     p, r, kk = layout.prompt_index, layout.response_index, layout.key_index
     out = q.new_zeros(q.shape).index_copy(
         0, p, _attend_segments(q[p], k[p], v[p], layout.prompt_cu, layout.prompt_cu, layout.prompt_max, layout.prompt_max, scaling, groups)
@@ -307,6 +311,89 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, dropout:
         out = out.index_copy(0, r, _attend_segments(q[r], k[kk], v[kk], layout.response_cu, layout.key_cu,
                                                     layout.response_max, layout.key_max, scaling, groups))
     return out[None], None
+
+
+@dataclass
+class _PaddedPlan:
+    """Where every token of a :class:`SharedPrefix` layout sits in the padded batches that
+    :func:`_shared_padded` hands to SDPA: gather indices into the packed tokens (``n`` points at
+    an appended zero row), the attention masks, and each packed token's place in the padded
+    outputs. Depends only on the layout, so it is built once per forward, not once per layer."""
+
+    prompt_q: torch.Tensor  # (groups, Lp) packed position of each prompt slot (n: padding)
+    prompt_mask: torch.Tensor  # (groups, 1, Lp, Lp) causal within the prompt
+    response_q: torch.Tensor  # (rows', Lr) packed position of each response query slot
+    response_k: torch.Tensor  # (rows', Lk) packed position of each key slot: prompt, then response
+    response_mask: torch.Tensor  # (rows', 1, Lr, Lk) bottom-right-aligned causal
+    gather_out: torch.Tensor  # (n) each packed token's row in cat(prompt outputs, response outputs)
+
+
+def _slots(index: torch.Tensor, cu: torch.Tensor, width: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(segments, width)`` table of ``index``'s entries per segment (``n`` past a segment's
+    end) and the segment lengths."""
+    lengths = cu[1:] - cu[:-1]
+    j = torch.arange(width, device=index.device)
+    valid = j[None, :] < lengths[:, None]
+    flat = (cu[:-1, None] + j[None, :]).clamp(max=max(index.numel() - 1, 0))
+    return torch.where(valid, index[flat] if index.numel() else flat, n), lengths
+
+
+def _causal_mask(q_len: torch.Tensor, k_len: torch.Tensor, lq: int, lk: int) -> torch.Tensor:
+    """``(s 1 lq lk)``: query ``i`` of a segment sees keys ``j <= k_len - q_len + i`` that exist;
+    key 0 always exists, so padded query slots keep a non-empty softmax row (never read)."""
+    i = torch.arange(lq, device=q_len.device)
+    j = torch.arange(lk, device=q_len.device)
+    offset = k_len - q_len
+    return ((j[None, None, :] <= offset[:, None, None] + i[None, :, None]) & (j[None, None, :] < k_len[:, None, None]))[:, None]
+
+
+def _padded_plan(layout: SharedPrefix, n: int, device: torch.device) -> _PaddedPlan:
+    key = (str(device), n)
+    cache = layout.__dict__.setdefault("_padded_plans", {})
+    if key not in cache:
+        pq, p_len = _slots(layout.prompt_index.to(device), layout.prompt_cu.to(device), layout.prompt_max, n)
+        rq, r_len = _slots(layout.response_index.to(device), layout.response_cu.to(device), layout.response_max, n)
+        rk, k_len = _slots(layout.key_index.to(device), layout.key_cu.to(device), layout.key_max, n)
+        # inverse: packed position -> row of cat(prompt slots, response slots)
+        gather_out = torch.empty(n, dtype=torch.long, device=device)
+        slot = torch.arange(pq.numel() + rq.numel(), device=device)
+        for table, rows in ((pq.flatten(), slot[: pq.numel()]), (rq.flatten(), slot[pq.numel() :])):
+            real = table < n
+            gather_out[table[real]] = rows[real]
+        cache.clear()  # one device at a time
+        cache[key] = _PaddedPlan(
+            prompt_q=pq, prompt_mask=_causal_mask(p_len, p_len, layout.prompt_max, layout.prompt_max),
+            response_q=rq, response_k=rk, response_mask=_causal_mask(r_len, k_len, layout.response_max, layout.key_max),
+            gather_out=gather_out,
+        )
+    return cache[key]
+
+
+@torch.compiler.disable
+def _shared_padded(q, k, v, layout: SharedPrefix, scaling, groups: int) -> torch.Tensor:
+    """The shared-prompt attention without flash (CPU, float32): prompts and responses each
+    gathered into a zero-padded batch by one index per tensor (:class:`_PaddedPlan`, built once
+    per layout), two SDPA calls, one gather back to ``(n h d)``. The same SDPA inputs as
+    ``_attend_segments`` on the gathered segments (equal values and gradients, bit for bit:
+    ``tests/models/test_shared_prefix.py``) with a fraction of its small ops.
+
+    Kept out of compiled blocks for the reason :func:`_padded_segments` is."""
+    n, heads, d = q.shape
+    plan = _padded_plan(layout, n, q.device)
+    zq, zk = q.new_zeros(1, heads, d), k.new_zeros(1, k.shape[1], d)
+    qz, kz, vz = torch.cat([q, zq]), torch.cat([k, zk]), torch.cat([v, zk])
+
+    def attend(q_index, k_index, mask):
+        qs, ks, vs = (t[i].transpose(1, 2) for t, i in ((qz, q_index), (kz, k_index), (vz, k_index)))  # (s h L d)
+        if groups > 1:
+            ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling)  # (s h L d)
+        return o.transpose(1, 2).reshape(-1, heads, d)
+
+    parts = [attend(plan.prompt_q, plan.prompt_q, plan.prompt_mask)]
+    if plan.response_q.numel():
+        parts.append(attend(plan.response_q, plan.response_k, plan.response_mask))
+    return torch.cat(parts)[plan.gather_out]
 
 
 _SHARED_NAME = "rlkit_shared_prefix"
@@ -659,15 +746,22 @@ def token_logprobs(
     return logprobs, entropy
 
 
-def _chunked(fn: Callable, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> list:
-    """Apply ``fn(hidden_chunk, target_chunk)`` over row chunks; checkpoint each under autograd."""
+#: chunks with at least this many logits (rows x vocabulary) are checkpointed under autograd;
+#: smaller ones keep their logits for the backward (4M: 16 MB in float32)
+CHECKPOINT_MIN_LOGITS = 1 << 22
+
+
+def _chunked(fn: Callable, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, vocab: int | None = None) -> list:
+    """Apply ``fn(hidden_chunk, target_chunk)`` over row chunks; under autograd checkpoint each
+    chunk of at least :data:`CHECKPOINT_MIN_LOGITS` logits (every chunk when ``vocab`` is None)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     grad = torch.is_grad_enabled() and hidden.requires_grad
     outs = []
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, y = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-        outs.append(checkpoint(fn, h, y, use_reentrant=False) if grad else fn(h, y))
+        big = vocab is None or h.shape[0] * vocab >= CHECKPOINT_MIN_LOGITS
+        outs.append(checkpoint(fn, h, y, use_reentrant=False) if grad and big else fn(h, y))
     return outs
 
 
@@ -732,7 +826,7 @@ class LogprobModule(nn.Module):
             logprobs, entropy = _fast_token_logprobs(head(h), y, temperature, with_entropy)
             return (logprobs, entropy) if with_entropy else (logprobs,)
 
-        chunks = _chunked(fn, hidden, targets, chunk_tokens)
+        chunks = _chunked(fn, hidden, targets, chunk_tokens, vocab=getattr(head, "out_features", None))
         if not chunks:  # no response token at all
             zeros = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
             return zeros, (zeros.clone() if with_entropy else None)

@@ -99,6 +99,28 @@ def _grads(model, loss):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def test_small_chunks_skip_the_checkpoint_with_the_same_gradients(model, batch, monkeypatch):
+    # a chunk of few logits keeps them for the backward instead of recomputing the head; large
+    # ones are checkpointed; values and gradients are the same either way, bit for bit
+    from rlkit.models import logprobs as L
+
+    calls = []
+    real = L.checkpoint
+    monkeypatch.setattr(L, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    results = []
+    for threshold in (0, L.CHECKPOINT_MIN_LOGITS):
+        monkeypatch.setattr(L, "CHECKPOINT_MIN_LOGITS", threshold)
+        calls.clear()
+        lp, ent = response_logprobs(model, *_args(batch), with_entropy=True, chunk_tokens=4)
+        grads = _grads(model, (lp * torch.linspace(-1, 1, lp.numel()).view(lp.shape)).sum() + ent.sum())
+        results.append((lp.detach(), ent.detach(), grads, len(calls)))
+    (lp0, ent0, g0, n0), (lp1, ent1, g1, n1) = results
+    assert n0 == 4 and n1 == 0  # 15 response tokens in chunks of 4: all checkpointed, then none
+    assert torch.equal(lp0, lp1) and torch.equal(ent0, ent1)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
+
+
 def test_gradients_packed_padded_reference(model, batch):
     weights = torch.linspace(-1.0, 2.0, batch["response_ids"].numel()).view(batch["response_ids"].shape)
     grads = {}
