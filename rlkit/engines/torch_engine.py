@@ -42,7 +42,9 @@ one per token. It costs seconds of compilation on the first call and pays on lon
 ``benchmarks/README.md`` ("CPU") has the figures. ``compile_decode="step"`` also runs on CUDA
 (the graphs capture the compiled step), but there it measured slower than the pieces on an H200
 (141,789 against 154,182 and 150,341 against 157,181 tokens/s on the standard workload, two
-machines), so ``True`` means pieces there.
+machines), so ``True`` means pieces there. A compiler failure, including dynamo's recompile
+limit (each engine and bucket is another variant of one code object), makes the engine warn,
+record the error in ``engine.compile_error`` and continue eagerly with the noise already drawn.
 
 Decode attention on CUDA (``decode_attention="triton"``, the default there): one Triton kernel
 per layer applies rotary to the new token's query and key, writes its key and value into the
@@ -67,9 +69,11 @@ decoding (temperature 0) reports the plain log-softmax.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -87,6 +91,14 @@ tl: Any = None
 
 #: model_type -> name of its rotary-embedding class in ``transformers.models.<type>.modeling_<type>``
 SUPPORTED = {"llama": "LlamaRotaryEmbedding", "qwen2": "Qwen2RotaryEmbedding", "qwen3": "Qwen3RotaryEmbedding"}
+
+
+def _fail_on_recompile_limit():
+    """A context in which dynamo raises at its recompile limit instead of silently running eagerly."""
+    config = torch._dynamo.config
+    if "fail_on_recompile_limit_hit" in getattr(config, "_config", {}):
+        return config.patch(fail_on_recompile_limit_hit=True)
+    return contextlib.nullcontext()
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -955,7 +967,13 @@ class TorchEngine:
             if params.temperature != 0 and plan.sampler is None:
                 noise = self._noise((state.tokens.shape[0], self.weights["lm_head.weight"].shape[0]), generator)
             bucket = min(state.key_valid.shape[1], math.ceil(length / self.cache_bucket) * self.cache_bucket)
-            call = lambda: self._whole_step(plan, bucket, params, None, noise)  # noqa: E731
+
+            def call():
+                # every engine and bucket is another variant of one code object; past dynamo's
+                # recompile limit it would run the step eagerly without a word; make that an error,
+                # so the fallback below names it
+                with _fail_on_recompile_limit():
+                    return self._whole_step(plan, bucket, params, None, noise)
         try:
             return call()
         except Exception as exc:  # noqa: BLE001 - a compiler failure must not stop generation
@@ -964,6 +982,12 @@ class TorchEngine:
             # the failed step wrote only cache slots it rewrites and did not advance ``step``; the
             # eager retry uses the noise already drawn, so it samples what the compiled step would have
             self.compile_error, self._compiled, self._whole_step, plan.compiled = repr(exc), None, None, False
+            warnings.warn(
+                f"rlkit TorchEngine: the compiled decode step failed ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); this engine continues eagerly "
+                "(engine.compile_error has the error)",
+                RuntimeWarning, stacklevel=2,
+            )
             return self._decode_step_impl(plan, length, params, generator, noise)
 
     def _decode_step_impl(self, plan: _Plan, length: int, params: SamplingParams, generator, noise=None) -> None:
