@@ -354,12 +354,11 @@ def _padded_plan(layout: SharedPrefix, n: int, device: torch.device) -> _PaddedP
         pq, p_len = _slots(layout.prompt_index.to(device), layout.prompt_cu.to(device), layout.prompt_max, n)
         rq, r_len = _slots(layout.response_index.to(device), layout.response_cu.to(device), layout.response_max, n)
         rk, k_len = _slots(layout.key_index.to(device), layout.key_cu.to(device), layout.key_max, n)
-        # inverse: packed position -> row of cat(prompt slots, response slots)
-        gather_out = torch.empty(n, dtype=torch.long, device=device)
-        slot = torch.arange(pq.numel() + rq.numel(), device=device)
-        for table, rows in ((pq.flatten(), slot[: pq.numel()]), (rq.flatten(), slot[pq.numel() :])):
-            real = table < n
-            gather_out[table[real]] = rows[real]
+        # inverse: packed position -> row of cat(prompt slots, response slots); the padding slots
+        # all land in an extra entry n, dropped (no boolean indexing: that would wait for the GPU)
+        gather_out = torch.zeros(n + 1, dtype=torch.long, device=device)
+        gather_out.index_copy_(0, torch.cat([pq.flatten(), rq.flatten()]), torch.arange(pq.numel() + rq.numel(), device=device))
+        gather_out = gather_out[:n]
         cache.clear()  # one device at a time
         cache[key] = _PaddedPlan(
             prompt_q=pq, prompt_mask=_causal_mask(p_len, p_len, layout.prompt_max, layout.prompt_max),
