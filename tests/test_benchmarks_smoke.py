@@ -84,3 +84,17 @@ def test_profile_trace_names_rlkit_ranges(tmp_path):
     assert inside("rlkit.engine.generate", "rollout") and inside("rlkit.update.micro_batch", "update")
     # the prefill ends before the decode starts
     assert spans["rlkit.engine.prefill"][0][1] <= spans["rlkit.engine.decode"][0][0]
+
+
+def test_cpu_update_ab_runs_and_every_variant_trains_identically():
+    # benchmarks/cpu_update_ab.py toggles back the bit-identical CPU training changes; its own
+    # check (equal parameters after the same updates) must hold, and it must leave rlkit's
+    # defaults as it found them
+    import cpu_update_ab
+    from rlkit.models import logprobs as L
+
+    before = (L._shared_padded, L.CHECKPOINT_MIN_LOGITS)
+    result = cpu_update_ab.main(["--repeats", "4"])
+    assert set(result["variants"]) == set(cpu_update_ab.VARIANTS)
+    assert all(v["bit_identical"] and v["update_ms_median"] > 0 for v in result["variants"].values())
+    assert (L._shared_padded, L.CHECKPOINT_MIN_LOGITS) == before
