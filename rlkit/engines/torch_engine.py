@@ -957,8 +957,11 @@ class TorchEngine:
     def _decode_step(self, plan: _Plan, length: int, params: SamplingParams, generator) -> None:
         if not plan.compiled:
             return self._decode_step_impl(plan, length, params, generator)
-        noise, call = None, lambda: self._decode_step_impl(plan, length, params, generator)
-        if self._whole_step is not None:
+        noise = None
+        if self._whole_step is None:  # compile_decode="pieces": they run inside the eager step's code
+            def call():
+                return self._decode_step_impl(plan, length, params, generator)
+        else:
             # the whole step as one graph (compile_decode="step"). The noise is drawn here, from the
             # caller's generator, as the eager step draws it (a generator inside the graph is a
             # graph break, and inductor's own random numbers another stream); the cache length is
