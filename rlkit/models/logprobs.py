@@ -35,6 +35,9 @@ response attending to it, so the prompt's layers run once per group instead of n
 log-probs, values and gradients; on by default. On CUDA both attention calls of the layout are
 varlen flash attention: prompts causal among themselves, and each response's queries against
 ``[prompt; response]`` keys, which flash's bottom-right-aligned causal mask gets exactly right.
+Without flash (CPU, float32) the two calls are SDPA over zero-padded batches of the prompts and
+of the responses, gathered by one index per tensor from a plan built once per layout
+(:func:`_shared_padded`).
 
 ``USE_VARLEN_ATTENTION`` / ``USE_FUSED_LOGPROBS`` (module flags) turn either off.
 
@@ -348,6 +351,8 @@ def _causal_mask(q_len: torch.Tensor, k_len: torch.Tensor, lq: int, lk: int) -> 
 
 
 def _padded_plan(layout: SharedPrefix, n: int, device: torch.device) -> _PaddedPlan:
+    """The layout's :class:`_PaddedPlan`, cached on the layout object (one forward's layers share
+    it; a layout lives for one micro-batch). Built from device tensors without a host sync."""
     key = (str(device), n)
     cache = layout.__dict__.setdefault("_padded_plans", {})
     if key not in cache:
