@@ -52,15 +52,8 @@ def main(argv=None) -> dict:
 
     planned, min_logits = L._shared_padded, L.CHECKPOINT_MIN_LOGITS
 
-    def per_segment(q, k, v, layout, scaling, groups):
-        p, r, kk = layout.prompt_index, layout.response_index, layout.key_index
-        out = q.new_zeros(q.shape).index_copy(0, p, L._attend_segments(
-            q[p], k[p], v[p], layout.prompt_cu, layout.prompt_cu, layout.prompt_max, layout.prompt_max, scaling, groups))
-        return out.index_copy(0, r, L._attend_segments(
-            q[r], k[kk], v[kk], layout.response_cu, layout.key_cu, layout.response_max, layout.key_max, scaling, groups))
-
     def configure(level: int) -> None:
-        L._shared_padded = planned if level >= 1 else per_segment
+        L._shared_padded = planned if level >= 1 else L._shared_segments
         L.CHECKPOINT_MIN_LOGITS = min_logits if level >= 2 else 0
 
     device = torch.device("cpu")

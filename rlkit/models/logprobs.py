@@ -167,6 +167,15 @@ def _segments_to_padded(t: torch.Tensor, cu: torch.Tensor, max_len: int) -> tupl
     return out.transpose(1, 2), row, offset
 
 
+def _causal_mask(q_len: torch.Tensor, k_len: torch.Tensor, lq: int, lk: int) -> torch.Tensor:
+    """``(s 1 lq lk)``: query ``i`` of a segment sees keys ``j <= k_len - q_len + i`` that exist;
+    key 0 always exists, so padded query slots keep a non-empty softmax row (never read)."""
+    i = torch.arange(lq, device=q_len.device)
+    j = torch.arange(lk, device=q_len.device)
+    offset = k_len - q_len
+    return ((j[None, None, :] <= offset[:, None, None] + i[None, :, None]) & (j[None, None, :] < k_len[:, None, None]))[:, None]
+
+
 @torch.compiler.disable
 def _padded_segments(q, k, v, q_cu, k_cu, q_max: int, k_max: int, scaling, groups: int) -> torch.Tensor:
     """:func:`_attend_segments` without flash: each segment zero-padded into a batch for SDPA with
@@ -182,14 +191,8 @@ def _padded_segments(q, k, v, q_cu, k_cu, q_max: int, k_max: int, scaling, group
     vs, _, _ = _segments_to_padded(v, k_cu, k_max)
     if groups > 1:
         ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
-    i = torch.arange(q_max, device=q.device)
-    j = torch.arange(k_max, device=q.device)
-    k_len = k_cu[1:] - k_cu[:-1]
-    offset = k_len - (q_cu[1:] - q_cu[:-1])  # keys every query of the segment sees
-    # key 0 is always a real token, so padded query slots have a non-empty softmax row (their
-    # outputs are never gathered)
-    mask = (j[None, None, :] <= offset[:, None, None] + i[None, :, None]) & (j[None, None, :] < k_len[:, None, None])
-    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[:, None], scale=scaling)  # (s H L d)
+    mask = _causal_mask(q_cu[1:] - q_cu[:-1], k_cu[1:] - k_cu[:-1], q_max, k_max)
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling)  # (s H L d)
     return o.transpose(1, 2)[row, pos]
 
 
@@ -304,8 +307,14 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, dropout:
         raise RuntimeError(f"rlkit shared-prefix attention supports no attention dropout ({dropout}) or sliding window ({sliding_window})")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (n h d)
     groups = q.shape[1] // k.shape[1]
-    if not _flash_ok(q):
-        return _shared_padded(q, k, v, layout, scaling, groups)[None], None
+    attend = _shared_segments if _flash_ok(q) else _shared_padded
+    return attend(q, k, v, layout, scaling, groups)[None], None
+
+
+def _shared_segments(q, k, v, layout: SharedPrefix, scaling, groups: int) -> torch.Tensor:
+    """The shared-prompt attention as two :func:`_attend_segments` calls on the gathered prompt
+    and response segments: ``q (n H d)``, ``k, v (n kvh d)`` -> ``(n H d)``. What runs with flash;
+    without it, :func:`_shared_padded` computes the same, bit for bit, with fewer small ops."""
     p, r, kk = layout.prompt_index, layout.response_index, layout.key_index
     out = q.new_zeros(q.shape).index_copy(
         0, p, _attend_segments(q[p], k[p], v[p], layout.prompt_cu, layout.prompt_cu, layout.prompt_max, layout.prompt_max, scaling, groups)
@@ -313,7 +322,7 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, dropout:
     if r.numel():
         out = out.index_copy(0, r, _attend_segments(q[r], k[kk], v[kk], layout.response_cu, layout.key_cu,
                                                     layout.response_max, layout.key_max, scaling, groups))
-    return out[None], None
+    return out
 
 
 @dataclass
@@ -341,36 +350,26 @@ def _slots(index: torch.Tensor, cu: torch.Tensor, width: int, n: int) -> tuple[t
     return torch.where(valid, index[flat] if index.numel() else flat, n), lengths
 
 
-def _causal_mask(q_len: torch.Tensor, k_len: torch.Tensor, lq: int, lk: int) -> torch.Tensor:
-    """``(s 1 lq lk)``: query ``i`` of a segment sees keys ``j <= k_len - q_len + i`` that exist;
-    key 0 always exists, so padded query slots keep a non-empty softmax row (never read)."""
-    i = torch.arange(lq, device=q_len.device)
-    j = torch.arange(lk, device=q_len.device)
-    offset = k_len - q_len
-    return ((j[None, None, :] <= offset[:, None, None] + i[None, :, None]) & (j[None, None, :] < k_len[:, None, None]))[:, None]
-
-
-def _padded_plan(layout: SharedPrefix, n: int, device: torch.device) -> _PaddedPlan:
+def _padded_plan(layout: SharedPrefix) -> _PaddedPlan:
     """The layout's :class:`_PaddedPlan`, cached on the layout object (one forward's layers share
-    it; a layout lives for one micro-batch). Built from device tensors without a host sync."""
-    key = (str(device), n)
-    cache = layout.__dict__.setdefault("_padded_plans", {})
-    if key not in cache:
-        pq, p_len = _slots(layout.prompt_index.to(device), layout.prompt_cu.to(device), layout.prompt_max, n)
-        rq, r_len = _slots(layout.response_index.to(device), layout.response_cu.to(device), layout.response_max, n)
-        rk, k_len = _slots(layout.key_index.to(device), layout.key_cu.to(device), layout.key_max, n)
+    it; a layout lives for one micro-batch, on one device). Built on the layout's device without
+    a host sync."""
+    plan = layout.__dict__.get("_padded_plan")
+    if plan is None:
+        n, device = layout.input_ids.numel(), layout.input_ids.device
+        pq, p_len = _slots(layout.prompt_index, layout.prompt_cu, layout.prompt_max, n)
+        rq, r_len = _slots(layout.response_index, layout.response_cu, layout.response_max, n)
+        rk, k_len = _slots(layout.key_index, layout.key_cu, layout.key_max, n)
         # inverse: packed position -> row of cat(prompt slots, response slots); the padding slots
         # all land in an extra entry n, dropped (no boolean indexing: that would wait for the GPU)
         gather_out = torch.zeros(n + 1, dtype=torch.long, device=device)
         gather_out.index_copy_(0, torch.cat([pq.flatten(), rq.flatten()]), torch.arange(pq.numel() + rq.numel(), device=device))
-        gather_out = gather_out[:n]
-        cache.clear()  # one device at a time
-        cache[key] = _PaddedPlan(
+        plan = layout.__dict__["_padded_plan"] = _PaddedPlan(
             prompt_q=pq, prompt_mask=_causal_mask(p_len, p_len, layout.prompt_max, layout.prompt_max),
             response_q=rq, response_k=rk, response_mask=_causal_mask(r_len, k_len, layout.response_max, layout.key_max),
-            gather_out=gather_out,
+            gather_out=gather_out[:n],
         )
-    return cache[key]
+    return plan
 
 
 @torch.compiler.disable
@@ -378,12 +377,12 @@ def _shared_padded(q, k, v, layout: SharedPrefix, scaling, groups: int) -> torch
     """The shared-prompt attention without flash (CPU, float32): prompts and responses each
     gathered into a zero-padded batch by one index per tensor (:class:`_PaddedPlan`, built once
     per layout), two SDPA calls, one gather back to ``(n h d)``. The same SDPA inputs as
-    ``_attend_segments`` on the gathered segments (equal values and gradients, bit for bit:
+    :func:`_shared_segments` (equal values and gradients, bit for bit:
     ``tests/models/test_shared_prefix.py``) with a fraction of its small ops.
 
     Kept out of compiled blocks for the reason :func:`_padded_segments` is."""
-    n, heads, d = q.shape
-    plan = _padded_plan(layout, n, q.device)
+    heads, d = q.shape[1:]
+    plan = _padded_plan(layout)
     zq, zk = q.new_zeros(1, heads, d), k.new_zeros(1, k.shape[1], d)
     qz, kz, vz = torch.cat([q, zq]), torch.cat([k, zk]), torch.cat([v, zk])
 

@@ -148,7 +148,7 @@ def _call_verl(fn, batch, i, completions) -> Any:
     return out
 
 
-def _run_one(fn: Callable, batch: Batch, prompts: list[str], completions: list[str]) -> torch.Tensor:
+def _run_one(fn: Callable, batch: Batch, prompts: Sequence[str], completions: Sequence[str]) -> torch.Tensor:
     b = batch.batch_size[0]
     style = reward_style(fn)
     name = _name(fn)

@@ -96,16 +96,6 @@ def test_an_update_with_shared_prompts_equals_one_without(monkeypatch):
         torch.testing.assert_close(params[1][k], params[0][k], rtol=1e-5, atol=1e-7, msg=k)
 
 
-def _segment_by_segment(q, k, v, layout, scaling, groups):
-    """The shared-prefix attention as two :func:`L._attend_segments` calls on gathered segments
-    (the formulation :func:`L._shared_padded` replaces on CPU)."""
-    p, r, kk = layout.prompt_index, layout.response_index, layout.key_index
-    out = q.new_zeros(q.shape).index_copy(
-        0, p, L._attend_segments(q[p], k[p], v[p], layout.prompt_cu, layout.prompt_cu, layout.prompt_max, layout.prompt_max, scaling, groups))
-    return out.index_copy(0, r, L._attend_segments(q[r], k[kk], v[kk], layout.response_cu, layout.key_cu,
-                                                   layout.response_max, layout.key_max, scaling, groups))
-
-
 @pytest.mark.parametrize("kvh", [2, 4])
 def test_cpu_shared_attention_equals_the_segment_by_segment_one_bit_for_bit(kvh):
     # _shared_padded builds its padded batches from one cached plan per layout instead of per
@@ -117,16 +107,16 @@ def test_cpu_shared_attention_equals_the_segment_by_segment_one_bit_for_bit(kvh)
     k0, v0 = (torch.randn(n, kvh, d, generator=g) for _ in range(2))
     w = torch.randn(n, heads, d, generator=g)
     results = []
-    for fn in (L._shared_padded, _segment_by_segment):
+    for fn in (L._shared_padded, L._shared_segments):  # the second: what runs with flash, here without
         q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
         out = fn(q, k, v, layout, 0.25, heads // kvh)
         (out * w).sum().backward()
         results.append((out.detach(), q.grad, k.grad, v.grad))
     for new, old, name in zip(*results, ("out", "dq", "dk", "dv")):
         assert torch.equal(new, old), name
-    # the plan is built once per layout and device, then reused (one per forward, not per layer)
-    plan = L._padded_plan(layout, n, q0.device)
-    assert L._padded_plan(layout, n, q0.device) is plan
+    # the plan is built once per layout, then reused (one per forward, not per layer)
+    plan = L._padded_plan(layout)
+    assert L._padded_plan(layout) is plan
     assert plan.gather_out.unique().numel() == n  # every packed token has its own padded slot
 
 
