@@ -410,6 +410,7 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
         configs.append(("rollout engine's decode step compiled (TorchEngine(compile_decode=True))", {}, "compiled_engine"))
     if device.type == "cuda":
         configs.append(("update in one piece (micro-batch 256)", dict(micro_batch=256), None))
+        configs.append(("the head recomputed in the backward (KEEP_LOGITS=False)", {}, "checkpoint_logits"))
         if is_compiled(model):
             configs.append(("eager model (compile=False)", {}, "eager"))
     for name, changes, mode in configs:
@@ -421,11 +422,15 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
                         uncompile_layers(m)
             if mode == "share":
                 L.SHARE_PROMPTS = not sharing
+            if mode == "checkpoint_logits":
+                L.KEEP_LOGITS = False
             if mode == "compiled_engine":
                 from rlkit.engines import TorchEngine
 
                 default_engine = state._cache.get("engine")
                 state._cache["engine"] = TorchEngine.from_model(state.actor, compile_decode=True)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             times, metrics = [], []
             timed = 3 if device.type == "cuda" else 10  # CPU steps are short and noisier
             for i in range(1 + timed):  # one warm-up step (the compiling one, where anything compiles)
@@ -438,12 +443,14 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
             out[name] = {k: res[k] for k in res if k in (
                 "step_seconds_median", "phase_seconds_median", "update_tflops", "update_pct_ceiling", "old_logprobs_pct_ceiling",
                 "ref_logprobs_pct_ceiling", "old_logprobs_tflops", "ref_logprobs_tflops", "rollout_tokens_per_s", "logprob_gap_mean_abs", "clipfrac_step1", "responses_per_s")}
+            if device.type == "cuda":
+                out[name]["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
             print(f"[{name}] " + json.dumps(out[name]), flush=True)
         except Exception as exc:  # noqa: BLE001
             out[name] = {"error": repr(exc)}
             traceback.print_exc()
         finally:
-            L.SHARE_PROMPTS = "auto"
+            L.SHARE_PROMPTS = L.KEEP_LOGITS = "auto"
             if mode == "compiled_engine":
                 engine = state._cache.get("engine")
                 if engine is not None and getattr(engine, "compile_error", None):
@@ -559,6 +566,9 @@ def main(argv=None) -> dict:
         print(f"ceilings: {ceilings}", flush=True)
     else:
         result["cpu_threads"] = torch.get_num_threads()
+    from rlkit.models import logprobs as L
+
+    result["keep_logits"] = L.KEEP_LOGITS
     wl, model, tok, texts = build(args.preset, device)
     n_params = param_count(model)
     state = init(model, adamw(lr=wl.lr), tokenizer=tok, ref="copy" if wl.beta else None)

@@ -10,7 +10,9 @@ Memory: the backbone runs to hidden states once; the vocabulary projection runs 
 per chunk. Under autograd each chunk is checkpointed (recomputed in backward), so neither the
 forward nor the saved activations ever hold ``(m, vocab)`` float32 logits; a chunk with fewer
 than ``CHECKPOINT_MIN_LOGITS`` logits (a small vocabulary) keeps them instead, which costs at
-most a few of those tensors and saves recomputing the head (the same values and gradients).
+most a few of those tensors and saves recomputing the head (the same values and gradients). On
+CUDA a call whose logits fit in a quarter of the memory the device has left keeps every chunk's
+(``KEEP_LOGITS``, :func:`keeps_logits`): one vocabulary projection less, bit-identical results.
 
 On CUDA (bf16/fp16) two paths replace the generic ones:
 
@@ -157,16 +159,6 @@ def _attend_segments(q, k, v, q_cu, k_cu, q_max: int, k_max: int, scaling, group
     return _padded_segments(q, k, v, q_cu, k_cu, q_max, k_max, scaling, groups)
 
 
-def _segments_to_padded(t: torch.Tensor, cu: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``t (n h d)`` of concatenated segments -> ``(s h L d)`` zero-padded, plus (row, offset) of each token."""
-    pos = torch.arange(t.shape[0], device=t.device)
-    row = torch.searchsorted(cu[1:], pos, right=True)
-    offset = pos - cu[row]
-    out = t.new_zeros(cu.numel() - 1, max_len, t.shape[1], t.shape[2])
-    out[row, offset] = t
-    return out.transpose(1, 2), row, offset
-
-
 def _causal_mask(q_len: torch.Tensor, k_len: torch.Tensor, lq: int, lk: int) -> torch.Tensor:
     """``(s 1 lq lk)``: query ``i`` of a segment sees keys ``j <= k_len - q_len + i`` that exist;
     key 0 always exists, so padded query slots keep a non-empty softmax row (never read)."""
@@ -179,21 +171,56 @@ def _causal_mask(q_len: torch.Tensor, k_len: torch.Tensor, lq: int, lk: int) -> 
 @torch.compiler.disable
 def _padded_segments(q, k, v, q_cu, k_cu, q_max: int, k_max: int, scaling, groups: int) -> torch.Tensor:
     """:func:`_attend_segments` without flash: each segment zero-padded into a batch for SDPA with
-    a causal + key-padding mask, gathered back. Work ``O(s L^2)``, not ``O(n^2)``.
+    a causal + key-padding mask (:func:`_slots`, :func:`_pad_gather`), gathered back
+    (:func:`_unpad_index`). Work ``O(s L^2)``, not ``O(n^2)``.
 
-    Kept out of compiled blocks (a graph break): inductor fused its searchsorted / index-put
+    Kept out of compiled blocks (a graph break): inductor once fused this function's indexing
     into the rotary kernel of a compiled block on CUDA, and that kernel failed a device-side
     bounds assert on the segment index (float32 model, where flash does not run), while eager
     gives the right values."""
+    same = k_cu is q_cu and k_max == q_max  # packed rows: each segment attends to itself
     q_cu, k_cu = q_cu.long(), k_cu.long()
-    qs, row, pos = _segments_to_padded(q, q_cu, q_max)
-    ks, _, _ = _segments_to_padded(k, k_cu, k_max)
-    vs, _, _ = _segments_to_padded(v, k_cu, k_max)
+    nq, nk, heads, d = q.shape[0], k.shape[0], q.shape[1], q.shape[2]
+    q_slots, q_len = _slots(torch.arange(nq, device=q.device), q_cu, q_max, nq)
+    k_slots, k_len = (q_slots, q_len) if same else _slots(torch.arange(nk, device=k.device), k_cu, k_max, nk)
+    qs, ks, vs = _pad_gather(_zero_row(q), q_slots), _pad_gather(_zero_row(k), k_slots), _pad_gather(_zero_row(v), k_slots)
     if groups > 1:
         ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
-    mask = _causal_mask(q_cu[1:] - q_cu[:-1], k_cu[1:] - k_cu[:-1], q_max, k_max)
+    mask = _causal_mask(q_len, k_len, q_max, k_max)
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling)  # (s H L d)
-    return o.transpose(1, 2)[row, pos]
+    return o.transpose(1, 2).reshape(-1, heads, d)[_unpad_index([q_slots], nq)]
+
+
+def _slots(index: torch.Tensor, cu: torch.Tensor, width: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(segments, width)`` table of ``index``'s entries per segment (``n`` past a segment's
+    end) and the segment lengths."""
+    lengths = cu[1:] - cu[:-1]
+    j = torch.arange(width, device=index.device)
+    valid = j[None, :] < lengths[:, None]
+    flat = (cu[:-1, None] + j[None, :]).clamp(max=max(index.numel() - 1, 0))
+    return torch.where(valid, index[flat] if index.numel() else flat, n), lengths
+
+
+def _zero_row(t: torch.Tensor) -> torch.Tensor:
+    """``t (n h d)`` with one zero row appended, ``(n+1 h d)``: what padding slots (value ``n``) read."""
+    return torch.cat([t, t.new_zeros(1, *t.shape[1:])])
+
+
+def _pad_gather(tz: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``tz (n+1 h d)`` (:func:`_zero_row`) -> ``(s h L d)``: row ``slots[i, j]`` at segment
+    ``i``, place ``j``; padding slots read the zero row. One gather: no index-put, no host sync."""
+    return tz[slots].transpose(1, 2)
+
+
+def _unpad_index(slot_tables: list[torch.Tensor], n: int) -> torch.Tensor:
+    """The inverse of :func:`_slots` tables: for each of the ``n`` packed tokens, its row in the
+    concatenation of the flattened tables (the padded outputs, one row per slot, are gathered by
+    it). The padding slots all land in an extra entry ``n``, dropped (no boolean indexing: that
+    would wait for the GPU)."""
+    flat = torch.cat([t.flatten() for t in slot_tables])
+    inverse = torch.zeros(n + 1, dtype=torch.long, device=flat.device)
+    inverse.index_copy_(0, flat, torch.arange(flat.numel(), device=flat.device))
+    return inverse[:n]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,34 +367,20 @@ class _PaddedPlan:
     gather_out: torch.Tensor  # (n) each packed token's row in cat(prompt outputs, response outputs)
 
 
-def _slots(index: torch.Tensor, cu: torch.Tensor, width: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(segments, width)`` table of ``index``'s entries per segment (``n`` past a segment's
-    end) and the segment lengths."""
-    lengths = cu[1:] - cu[:-1]
-    j = torch.arange(width, device=index.device)
-    valid = j[None, :] < lengths[:, None]
-    flat = (cu[:-1, None] + j[None, :]).clamp(max=max(index.numel() - 1, 0))
-    return torch.where(valid, index[flat] if index.numel() else flat, n), lengths
-
-
 def _padded_plan(layout: SharedPrefix) -> _PaddedPlan:
     """The layout's :class:`_PaddedPlan`, cached on the layout object (one forward's layers share
     it; a layout lives for one micro-batch, on one device). Built on the layout's device without
     a host sync."""
     plan = layout.__dict__.get("_padded_plan")
     if plan is None:
-        n, device = layout.input_ids.numel(), layout.input_ids.device
+        n = layout.input_ids.numel()
         pq, p_len = _slots(layout.prompt_index, layout.prompt_cu, layout.prompt_max, n)
         rq, r_len = _slots(layout.response_index, layout.response_cu, layout.response_max, n)
         rk, k_len = _slots(layout.key_index, layout.key_cu, layout.key_max, n)
-        # inverse: packed position -> row of cat(prompt slots, response slots); the padding slots
-        # all land in an extra entry n, dropped (no boolean indexing: that would wait for the GPU)
-        gather_out = torch.zeros(n + 1, dtype=torch.long, device=device)
-        gather_out.index_copy_(0, torch.cat([pq.flatten(), rq.flatten()]), torch.arange(pq.numel() + rq.numel(), device=device))
         plan = layout.__dict__["_padded_plan"] = _PaddedPlan(
             prompt_q=pq, prompt_mask=_causal_mask(p_len, p_len, layout.prompt_max, layout.prompt_max),
             response_q=rq, response_k=rk, response_mask=_causal_mask(r_len, k_len, layout.response_max, layout.key_max),
-            gather_out=gather_out[:n],
+            gather_out=_unpad_index([pq, rq], n),
         )
     return plan
 
@@ -383,11 +396,10 @@ def _shared_padded(q, k, v, layout: SharedPrefix, scaling, groups: int) -> torch
     Kept out of compiled blocks for the reason :func:`_padded_segments` is."""
     heads, d = q.shape[1:]
     plan = _padded_plan(layout)
-    zq, zk = q.new_zeros(1, heads, d), k.new_zeros(1, k.shape[1], d)
-    qz, kz, vz = torch.cat([q, zq]), torch.cat([k, zk]), torch.cat([v, zk])
+    qz, kz, vz = _zero_row(q), _zero_row(k), _zero_row(v)
 
     def attend(q_index, k_index, mask):
-        qs, ks, vs = (t[i].transpose(1, 2) for t, i in ((qz, q_index), (kz, k_index), (vz, k_index)))  # (s h L d)
+        qs, ks, vs = _pad_gather(qz, q_index), _pad_gather(kz, k_index), _pad_gather(vz, k_index)  # (s h L d)
         if groups > 1:
             ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling)  # (s h L d)
@@ -753,18 +765,54 @@ def token_logprobs(
 #: smaller ones keep their logits for the backward (4M: 16 MB in float32)
 CHECKPOINT_MIN_LOGITS = 1 << 22
 
+#: whether a forward under autograd keeps every chunk's logits for the backward instead of
+#: checkpointing the large chunks (recomputing the head in the backward). Both give the same values
+#: and gradients, bit for bit; keeping trades memory for one vocabulary projection less.
+#: ``"auto"`` keeps them on CUDA when the call's logits (``m x vocab`` in the head's dtype) take at
+#: most :data:`KEEP_LOGITS_FRACTION` of the memory the device has left (free plus what the
+#: caching allocator holds unused), and follows :data:`CHECKPOINT_MIN_LOGITS` elsewhere; ``True``
+#: / ``False`` force it.
+KEEP_LOGITS: bool | str = "auto"
+KEEP_LOGITS_FRACTION = 0.25
 
-def _chunked(fn: Callable, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, vocab: int | None = None) -> list:
+
+def _device_bytes_left(device: torch.device) -> int | None:
+    """Bytes a new allocation on ``device`` can still get: the driver's free memory plus what
+    torch's caching allocator has reserved and not handed out. None off CUDA. A driver query and
+    the allocator's counters: no wait for the GPU."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def keeps_logits(tokens: int, vocab: int | None, itemsize: int, device: torch.device) -> bool:
+    """What :data:`KEEP_LOGITS` decides for a forward under autograd over ``tokens`` predicting
+    positions: True keeps every chunk's logits for the backward, False checkpoints the chunks of
+    at least :data:`CHECKPOINT_MIN_LOGITS` logits."""
+    if KEEP_LOGITS != "auto":
+        return bool(KEEP_LOGITS)
+    if vocab is None:
+        return False
+    left = _device_bytes_left(torch.device(device))
+    return left is not None and tokens * vocab * itemsize <= KEEP_LOGITS_FRACTION * left
+
+
+def _chunked(fn: Callable, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, vocab: int | None = None,
+             itemsize: int | None = None) -> list:
     """Apply ``fn(hidden_chunk, target_chunk)`` over row chunks; under autograd checkpoint each
-    chunk of at least :data:`CHECKPOINT_MIN_LOGITS` logits (every chunk when ``vocab`` is None)."""
+    chunk of at least :data:`CHECKPOINT_MIN_LOGITS` logits (every chunk when ``vocab`` is None),
+    unless :func:`keeps_logits` says the call keeps them all (``itemsize``: bytes per logit,
+    default the hidden states')."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     grad = torch.is_grad_enabled() and hidden.requires_grad
+    keep = grad and keeps_logits(hidden.shape[0], vocab, itemsize or hidden.element_size(), hidden.device)
     outs = []
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, y = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         big = vocab is None or h.shape[0] * vocab >= CHECKPOINT_MIN_LOGITS
-        outs.append(checkpoint(fn, h, y, use_reentrant=False) if grad and big else fn(h, y))
+        outs.append(checkpoint(fn, h, y, use_reentrant=False) if grad and big and not keep else fn(h, y))
     return outs
 
 
@@ -829,7 +877,9 @@ class LogprobModule(nn.Module):
             logprobs, entropy = _fast_token_logprobs(head(h), y, temperature, with_entropy)
             return (logprobs, entropy) if with_entropy else (logprobs,)
 
-        chunks = _chunked(fn, hidden, targets, chunk_tokens, vocab=getattr(head, "out_features", None))
+        weight = getattr(head, "weight", None)
+        chunks = _chunked(fn, hidden, targets, chunk_tokens, vocab=getattr(head, "out_features", None),
+                          itemsize=weight.element_size() if isinstance(weight, torch.Tensor) else None)
         if not chunks:  # no response token at all
             zeros = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
             return zeros, (zeros.clone() if with_entropy else None)

@@ -115,10 +115,46 @@ def test_small_chunks_skip_the_checkpoint_with_the_same_gradients(model, batch, 
         grads = _grads(model, (lp * torch.linspace(-1, 1, lp.numel()).view(lp.shape)).sum() + ent.sum())
         results.append((lp.detach(), ent.detach(), grads, len(calls)))
     (lp0, ent0, g0, n0), (lp1, ent1, g1, n1) = results
-    assert n0 == 4 and n1 == 0  # 15 response tokens in chunks of 4: all checkpointed, then none
+    assert n0 == 4 and n1 == 0  # 16 response tokens in chunks of 4: all checkpointed, then none
     assert torch.equal(lp0, lp1) and torch.equal(ent0, ent1)
     for name in g0:
         assert torch.equal(g0[name], g1[name]), name
+
+
+def test_keep_logits_follows_the_memory_left_with_the_same_gradients(model, batch, monkeypatch):
+    # KEEP_LOGITS="auto" keeps every chunk's logits for the backward when the call's logits take
+    # at most KEEP_LOGITS_FRACTION of the memory the device has left, else checkpoints the big
+    # chunks; the device's memory is simulated here (the CPU has no such probe: "auto" follows
+    # CHECKPOINT_MIN_LOGITS there). Values and gradients are the same either way, bit for bit.
+    from rlkit.models import logprobs as L
+
+    calls = []
+    real = L.checkpoint
+    monkeypatch.setattr(L, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(L, "CHECKPOINT_MIN_LOGITS", 0)  # every chunk counts as big
+    vocab = model.get_output_embeddings().out_features
+    tokens = int(batch["response_mask"].sum())  # 16: four chunks of 4
+    logits_bytes = tokens * vocab * 4  # float32 head
+    results = {}
+    for left, keeps in ((None, False), (4 * logits_bytes, True), (4 * logits_bytes - 1, False)):
+        monkeypatch.setattr(L, "_device_bytes_left", lambda device, left=left: left)
+        assert L.keeps_logits(tokens, vocab, 4, torch.device("cpu")) is keeps
+        calls.clear()
+        lp, ent = response_logprobs(model, *_args(batch), with_entropy=True, chunk_tokens=4)
+        grads = _grads(model, (lp * torch.linspace(-1, 1, lp.numel()).view(lp.shape)).sum() + ent.sum())
+        assert len(calls) == (0 if keeps else 4), (left, len(calls))
+        results[keeps] = (lp.detach(), ent.detach(), grads)
+        with torch.no_grad():  # forward-only passes never checkpoint, whatever the memory
+            calls.clear()
+            response_logprobs(model, *_args(batch), chunk_tokens=4)
+            assert not calls
+    (lp0, ent0, g0), (lp1, ent1, g1) = results[False], results[True]
+    assert torch.equal(lp0, lp1) and torch.equal(ent0, ent1)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
+    for forced in (True, False):  # the flag overrides the probe
+        monkeypatch.setattr(L, "KEEP_LOGITS", forced)
+        assert L.keeps_logits(tokens, vocab, 4, torch.device("cpu")) is forced
 
 
 def test_gradients_packed_padded_reference(model, batch):
