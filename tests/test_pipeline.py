@@ -52,10 +52,21 @@ def _full(module):
     return full_state_dict(module)
 
 
-def _update_worker(with_critic: bool):
+def _update_worker(with_critic: bool, divergent_keep: bool = False):
+    from rlkit.models import logprobs as L
     from rlkit.parallel import init_distributed, shutdown
 
-    init_distributed("gloo")
+    info = init_distributed("gloo")
+    if divergent_keep:
+        # KEEP_LOGITS="auto" decides per rank from that device's free memory, so ranks can
+        # differ: rank 0 keeps its logits for the backward, rank 1 recomputes the head there
+        # (every chunk checkpointed). The head belongs to the root FSDP unit, whose parameters
+        # stay gathered through the backward, so neither choice issues a collective.
+        L.CHECKPOINT_MIN_LOGITS = 0
+        L.KEEP_LOGITS = info.rank == 0
+    calls = []
+    real = L.checkpoint
+    L.checkpoint = lambda *a, **k: calls.append(1) or real(*a, **k)
     try:
         task = _task()
         model = _model(task)
@@ -67,8 +78,9 @@ def _update_worker(with_critic: bool):
         state, metrics = rk.update(state, batch, kl=("low_var_kl", 0.1), micro_batch_size=2)
         actor = _full(state._cache["actor_module"])
         crit = _full(state._cache["critic_module"]) if with_critic else None
-        return {"actor": actor, "critic": crit, "metrics": metrics}
+        return {"actor": actor, "critic": crit, "metrics": metrics, "checkpointed_chunks": len(calls)}
     finally:
+        L.checkpoint = real
         shutdown()
 
 
@@ -76,11 +88,14 @@ def _strip(sd, prefix):
     return {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
 
 
-@pytest.mark.parametrize("with_critic", [False, True], ids=["grpo", "ppo"])
-def test_update_on_two_processes_equals_one(with_critic):
+@pytest.mark.parametrize("with_critic, divergent_keep", [(False, False), (True, False), (False, True)],
+                         ids=["grpo", "ppo", "grpo-ranks-differ-on-keeping-logits"])
+def test_update_on_two_processes_equals_one(with_critic, divergent_keep):
     from rlkit.parallel.local import run_local
 
-    results = run_local(_update_worker, 2, with_critic, timeout=240)
+    results = run_local(_update_worker, 2, with_critic, divergent_keep, timeout=240)
+    if divergent_keep:
+        assert results[0]["checkpointed_chunks"] == 0 and results[1]["checkpointed_chunks"] > 0, results
     task = _task()
     model = _model(task)
     critic = rk.models.critic(model) if with_critic else None

@@ -771,7 +771,9 @@ CHECKPOINT_MIN_LOGITS = 1 << 22
 #: ``"auto"`` keeps them on CUDA when the call's logits (``m x vocab`` in the head's dtype) take at
 #: most :data:`KEEP_LOGITS_FRACTION` of the memory the device has left (free plus what the
 #: caching allocator holds unused), and follows :data:`CHECKPOINT_MIN_LOGITS` elsewhere; ``True``
-#: / ``False`` force it.
+#: / ``False`` force it. Under FSDP2 each rank decides for itself: the head belongs to the root
+#: unit, whose parameters stay gathered through the backward, so ranks that decide differently
+#: issue the same collectives (``tests/test_pipeline.py``).
 KEEP_LOGITS: bool | str = "auto"
 KEEP_LOGITS_FRACTION = 0.25
 
