@@ -15,11 +15,20 @@ from rlkit.batch import make_batch
 from rlkit.optim import adamw
 
 
-def sft_batch(tokenizer, pairs: Sequence[tuple[str, str]]):
+def _encode(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+    """``(prompt ids, completion ids + EOS)``, no special tokens added."""
     eos = tokenizer.eos_token_id
-    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in pairs]
-    targets = [tokenizer(t, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else []) for _, t in pairs]
-    return make_batch(prompts, targets, pad_token_id=tokenizer.pad_token_id or 0)
+    target = tokenizer(completion, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"], target
+
+
+def _batch_of(tokenizer, encoded: Sequence[tuple[list[int], list[int]]]):
+    return make_batch([e[0] for e in encoded], [e[1] for e in encoded], pad_token_id=tokenizer.pad_token_id or 0)
+
+
+def sft_batch(tokenizer, pairs: Sequence[tuple[str, str]]):
+    """A Batch of (prompt, completion) pairs: the completion (with EOS) is the response."""
+    return _batch_of(tokenizer, [_encode(tokenizer, p, t) for p, t in pairs])
 
 
 def warmup(
@@ -44,10 +53,16 @@ def warmup(
     optimizer, scheduler = spec.build(model.parameters())
     rng = random.Random(seed)
     history = []
+    # each example is tokenized once, on its first draw, not once per draw (with the default job's
+    # character tokenizer that saves ~1% of a step; slower tokenizers and longer texts save more)
+    encoded: dict[int, tuple[list[int], list[int]]] = {}
     model.train()
     for step in range(steps):
-        pairs = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
-        batch = sft_batch(tokenizer, pairs).to(device)
+        picks = [rng.randrange(len(examples)) for _ in range(batch_size)]
+        for i in picks:
+            if i not in encoded:
+                encoded[i] = _encode(tokenizer, *examples[i])
+        batch = _batch_of(tokenizer, [encoded[i] for i in picks]).to(device)
         logprobs, _ = response_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"])
         mask = batch["response_mask"]
         loss = -(logprobs * mask).sum() / mask.sum()
