@@ -171,7 +171,7 @@ def _causal_mask(q_len: torch.Tensor, k_len: torch.Tensor, lq: int, lk: int) -> 
 @torch.compiler.disable
 def _padded_segments(q, k, v, q_cu, k_cu, q_max: int, k_max: int, scaling, groups: int) -> torch.Tensor:
     """:func:`_attend_segments` without flash: each segment zero-padded into a batch for SDPA with
-    a causal + key-padding mask (:func:`_slots`, :func:`_pad_gather`), gathered back
+    a causal + key-padding mask (:func:`_slots`, :func:`_padded_attention`), gathered back
     (:func:`_unpad_index`). Work ``O(s L^2)``, not ``O(n^2)``.
 
     Kept out of compiled blocks (a graph break): inductor once fused this function's indexing
@@ -180,15 +180,12 @@ def _padded_segments(q, k, v, q_cu, k_cu, q_max: int, k_max: int, scaling, group
     gives the right values."""
     same = k_cu is q_cu and k_max == q_max  # packed rows: each segment attends to itself
     q_cu, k_cu = q_cu.long(), k_cu.long()
-    nq, nk, heads, d = q.shape[0], k.shape[0], q.shape[1], q.shape[2]
+    nq, nk = q.shape[0], k.shape[0]
     q_slots, q_len = _slots(torch.arange(nq, device=q.device), q_cu, q_max, nq)
     k_slots, k_len = (q_slots, q_len) if same else _slots(torch.arange(nk, device=k.device), k_cu, k_max, nk)
-    qs, ks, vs = _pad_gather(_zero_row(q), q_slots), _pad_gather(_zero_row(k), k_slots), _pad_gather(_zero_row(v), k_slots)
-    if groups > 1:
-        ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
-    mask = _causal_mask(q_len, k_len, q_max, k_max)
-    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling)  # (s H L d)
-    return o.transpose(1, 2).reshape(-1, heads, d)[_unpad_index([q_slots], nq)]
+    out = _padded_attention(_zero_row(q), _zero_row(k), _zero_row(v), q_slots, k_slots,
+                            _causal_mask(q_len, k_len, q_max, k_max), scaling, groups)
+    return out[_unpad_index([q_slots], nq)]
 
 
 def _slots(index: torch.Tensor, cu: torch.Tensor, width: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,10 +203,16 @@ def _zero_row(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(1, *t.shape[1:])])
 
 
-def _pad_gather(tz: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``tz (n+1 h d)`` (:func:`_zero_row`) -> ``(s h L d)``: row ``slots[i, j]`` at segment
-    ``i``, place ``j``; padding slots read the zero row. One gather: no index-put, no host sync."""
-    return tz[slots].transpose(1, 2)
+def _padded_attention(qz, kz, vz, q_slots, k_slots, mask, scaling, groups: int) -> torch.Tensor:
+    """SDPA over zero-padded segment batches: ``qz (nq+1 H d)``, ``kz, vz (nk+1 kvh d)``
+    (:func:`_zero_row`) are gathered by the slot tables ``q_slots (s Lq)``, ``k_slots (s Lk)``
+    (one gather per tensor; padding slots read the zero row, no index-put, no host sync) and
+    attend under ``mask (s 1 Lq Lk)``. Returns ``(s * Lq, H, d)``, one row per query slot."""
+    qs, ks, vs = (t[i].transpose(1, 2) for t, i in ((qz, q_slots), (kz, k_slots), (vz, k_slots)))  # (s h L d)
+    if groups > 1:
+        ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling)  # (s H L d)
+    return o.transpose(1, 2).reshape(-1, qz.shape[1], qz.shape[2])
 
 
 def _unpad_index(slot_tables: list[torch.Tensor], n: int) -> torch.Tensor:
@@ -394,20 +397,11 @@ def _shared_padded(q, k, v, layout: SharedPrefix, scaling, groups: int) -> torch
     ``tests/models/test_shared_prefix.py``) with a fraction of its small ops.
 
     Kept out of compiled blocks for the reason :func:`_padded_segments` is."""
-    heads, d = q.shape[1:]
     plan = _padded_plan(layout)
     qz, kz, vz = _zero_row(q), _zero_row(k), _zero_row(v)
-
-    def attend(q_index, k_index, mask):
-        qs, ks, vs = _pad_gather(qz, q_index), _pad_gather(kz, k_index), _pad_gather(vz, k_index)  # (s h L d)
-        if groups > 1:
-            ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling)  # (s h L d)
-        return o.transpose(1, 2).reshape(-1, heads, d)
-
-    parts = [attend(plan.prompt_q, plan.prompt_q, plan.prompt_mask)]
+    parts = [_padded_attention(qz, kz, vz, plan.prompt_q, plan.prompt_q, plan.prompt_mask, scaling, groups)]
     if plan.response_q.numel():
-        parts.append(attend(plan.response_q, plan.response_k, plan.response_mask))
+        parts.append(_padded_attention(qz, kz, vz, plan.response_q, plan.response_k, plan.response_mask, scaling, groups))
     return torch.cat(parts)[plan.gather_out]
 
 
