@@ -8,12 +8,15 @@ Two presets (issue 5):
   (beta 0.04), one update epoch.
 - ``cpu``: Qwen2 shape with hidden 128, 2 layers, 4 heads, intermediate 512 and a character
   vocabulary, float32 on CPU; 8 prompts x 8 samples, up to 16 new tokens (EOS stops), beta 0.
+- ``cpu-bf16``: the ``cpu`` preset with bf16 parameters on both sides (TRL's ``bf16=True`` and
+  a bf16 model): whether bf16 products, which this CPU runs faster, make the step faster.
 
 Both sides get the same tokenizer, prompts and reward function, so they do the same work.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import time
 from dataclasses import dataclass
@@ -56,6 +59,7 @@ PRESETS = {
         old_logprobs=False, micro_batch=64, logprob_micro_batch=None, dtype=torch.float32,
     ),
 }
+PRESETS["cpu-bf16"] = dataclasses.replace(PRESETS["cpu"], name="cpu-bf16", dtype=torch.bfloat16)
 
 CPU_ALPHABET = "0123456789+= "
 
@@ -83,7 +87,7 @@ def build(preset: str, device: torch.device, seed: int = 0):
 
     wl = PRESETS[preset]
     rng = random.Random(seed)
-    if preset == "cpu":
+    if preset.startswith("cpu"):
         tok = char_tokenizer(CPU_ALPHABET)
         model = tiny(tok, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                      intermediate_size=512, seed=seed, dtype=wl.dtype)

@@ -98,3 +98,33 @@ def test_cpu_update_ab_runs_and_every_variant_trains_identically():
     assert set(result["variants"]) == set(cpu_update_ab.VARIANTS)
     assert all(v["bit_identical"] and v["update_ms_median"] > 0 for v in result["variants"].values())
     assert (L._shared_padded, L.CHECKPOINT_MIN_LOGITS) == before
+
+
+def test_cpu_bf16_preset_is_the_cpu_preset_in_bf16():
+    cpu, bf16 = _workload.PRESETS["cpu"], _workload.PRESETS["cpu-bf16"]
+    assert bf16.dtype == torch.bfloat16 and cpu.dtype == torch.float32
+    assert {**vars(bf16), "name": "cpu", "dtype": torch.float32} == vars(cpu)
+    wl, model, tok, texts = _workload.build("cpu-bf16", torch.device("cpu"))
+    assert next(model.parameters()).dtype == torch.bfloat16 and len(texts) == wl.n_prompts
+
+
+def test_cpu_bounds_parts_report_consistent_figures():
+    import cpu_bounds
+
+    torch.manual_seed(0)
+    mb = cpu_bounds.micro_batches(repeats=1)
+    assert mb["rows"] == 64 and set(mb["update_ms_median"]) == {"1", "2", "4"}
+    # the line rest + k * per_micro_batch through the three medians, against torch's least squares
+    ks = sorted(mb["update_ms_median"], key=int)
+    design = torch.tensor([[1.0, float(k)] for k in ks], dtype=torch.float64)
+    times = torch.tensor([[mb["update_ms_median"][k]] for k in ks], dtype=torch.float64)
+    rest, per = torch.linalg.lstsq(design, times).solution.flatten().tolist()
+    assert mb["rest_ms"] == pytest.approx(rest, rel=1e-9, abs=1e-9)
+    assert mb["per_micro_batch_ms"] == pytest.approx(per, rel=1e-9, abs=1e-9)
+    # shared prompts: the forward sees each group's prompt once, so fewer tokens than the rows hold
+    assert 64 <= mb["tokens"] < 64 * (16 + 8)
+    rows = cpu_bounds.matmul([("t", 32, 16, 8)], reps=2)
+    assert rows[0]["gflops_1t"] > 0 and rows[0]["gflops_2t"] > 0
+    g = cpu_bounds.gloo(1000, reps=2)
+    assert set(g) == {f"{op}_{b}B_us" for op in ("all_gather", "all_reduce") for b in (64, 4000)}
+    assert all(v > 0 for v in g.values())
