@@ -34,7 +34,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _workload import PRESETS, Clock, build, grpo_phases, param_count, reward  # noqa: E402
+from _workload import PRESETS, Clock, Workload, build, grpo_phases, param_count, reward  # noqa: E402
 from _workload import sync as _sync  # noqa: E402
 
 
@@ -515,6 +515,59 @@ def print_table(res: dict, trl: dict | None) -> None:
     print("-" * (width + 40))
 
 
+def run_trl(args, device: torch.device) -> dict:
+    """TRL's GRPOTrainer on the same workload in a subprocess (``trl_compare.py``): its JSON, or
+    ``{"error": ...}``."""
+    trl_steps = args.trl_steps if args.trl_steps is not None else (4 if device.type == "cuda" else 8)
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "trl_compare.py"),
+           "--preset", args.preset, "--device", str(device), "--steps", str(trl_steps)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TRL_JSON ")]
+    if lines:
+        return json.loads(lines[-1][len("TRL_JSON "):])
+    return {"error": (proc.stderr or proc.stdout)[-3000:]}
+
+
+def run_rounds(args, state, prompts, wl: Workload, steps: int, device: torch.device) -> dict:
+    """``--rounds R``: R times in turn, ``steps`` rlkit steps with the default engine, ``steps``
+    with the decode step compiled, and a TRL run (``run_trl``); each arm's median step per round.
+    A machine whose speed drifts then biases no arm: the ratios are taken within a round."""
+    from rlkit.engines import TorchEngine
+
+    if device.type != "cpu":
+        raise ValueError("--rounds is for the CPU (on a GPU the rlkit state would share the device with TRL's run)")
+    default = state._cache.get("engine")
+    compiled = TorchEngine.from_model(state.actor, compile_decode=True)
+    out: list[dict] = []
+    for r in range(args.rounds):
+        row = {}
+        for arm, engine in (("rlkit", default), ("rlkit_compiled", compiled)):
+            state._cache["engine"] = engine
+            times = []
+            for i in range(1 + steps):  # one untimed step (the compiled engine compiles in round 1)
+                state, t, _ = grpo_step(state, prompts, wl, device)
+                if i:
+                    times.append(t["step"])
+            row[f"{arm}_ms"] = 1e3 * statistics.median(times)
+        trl = run_trl(args, device)
+        if "error" in trl:
+            raise RuntimeError("TRL failed in round %d:\n%s" % (r + 1, trl["error"]))
+        row["trl_ms"] = 1e3 * trl["step_seconds_median"]
+        row["speedup"] = row["trl_ms"] / row["rlkit_ms"]
+        row["speedup_compiled"] = row["trl_ms"] / row["rlkit_compiled_ms"]
+        print(f"round {r + 1}: TRL {row['trl_ms']:.1f} ms, rlkit {row['rlkit_ms']:.1f} ms ({row['speedup']:.2f}x), "
+              f"decode step compiled {row['rlkit_compiled_ms']:.1f} ms ({row['speedup_compiled']:.2f}x)", flush=True)
+        out.append(row)
+    state._cache["engine"] = default
+    summary = {"rounds": out, "speedup_median": statistics.median(r["speedup"] for r in out),
+               "speedup_compiled_median": statistics.median(r["speedup_compiled"] for r in out)}
+    print(f"rounds: median speed-up vs TRL {summary['speedup_median']:.2f}x, decode step compiled "
+          f"{summary['speedup_compiled_median']:.2f}x", flush=True)
+    return summary
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
@@ -539,7 +592,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile-stacks", action="store_true",
                     help="with --profile: record Python stacks, so the summary names the rlkit call behind each host "
                          "wait; slows the host several-fold, so host-bound phases look longer than they are")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="CPU, with --compare trl: after everything else, alternate rlkit (default engine), rlkit (decode "
+                         "step compiled) and TRL this many times, --steps / --trl-steps each, so that all three see the "
+                         "same drift of a noisy machine; reports each round's ratios and their medians")
     args = ap.parse_args(argv)
+    if args.rounds and args.compare != "trl":
+        ap.error("--rounds needs --compare trl")
+    if args.rounds < 0:
+        ap.error(f"--rounds must be >= 0, got {args.rounds}")
     started = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -609,25 +670,21 @@ def main(argv=None) -> dict:
         result["configs"] = {}
         state = time_configs(state, model, prompts, wl, device, n_params, ceilings, result["configs"])
     trl = None
+    rounds_state = (state, prompts, wl, steps) if args.rounds else None
     if args.compare == "trl":
         del state, model
         if gpu:
             torch.cuda.empty_cache()
-        trl_steps = args.trl_steps if args.trl_steps is not None else (4 if gpu else 8)
-        cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "trl_compare.py"),
-               "--preset", args.preset, "--device", str(device), "--steps", str(trl_steps)]
-        if args.threads:
-            cmd += ["--threads", str(args.threads)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TRL_JSON ")]
-        if lines:
-            trl = json.loads(lines[-1][len("TRL_JSON "):])
-            result["trl"] = trl
-            result["speedup_vs_trl"] = trl["step_seconds_median"] / result["step_seconds_median"]
-        else:
-            result["trl"] = {"error": (proc.stderr or proc.stdout)[-3000:]}
+        trl = run_trl(args, device)
+        result["trl"] = trl
+        if "error" in trl:
+            trl = None
             print("TRL failed:\n" + result["trl"]["error"], flush=True)
+        else:
+            result["speedup_vs_trl"] = trl["step_seconds_median"] / result["step_seconds_median"]
     print_table(result, trl)
+    if rounds_state is not None:
+        result["rounds"] = run_rounds(args, *rounds_state, device)
     line = json.dumps(result, default=float)
     print("RESULT_JSON " + line, flush=True)
     if args.json:

@@ -128,3 +128,34 @@ def test_cpu_bounds_parts_report_consistent_figures():
     g = cpu_bounds.gloo(1000, reps=2)
     assert set(g) == {f"{op}_{b}B_us" for op in ("all_gather", "all_reduce") for b in (64, 4000)}
     assert all(v > 0 for v in g.values())
+
+
+def test_rounds_alternate_the_arms_and_take_ratios_within_each_round(monkeypatch, tmp_path):
+    # TRL is not a test dependency: a fake run whose step time changes from round to round, as a
+    # drifting machine's would; each round's ratios must use that round's TRL figure
+    calls = []
+
+    def fake_trl(args, device):
+        calls.append(args.preset)
+        step = 0.1 * len(calls)
+        return {"framework": "trl", "step_seconds_median": step, "first_step_seconds": 2 * step,
+                "responses_per_s": 64 / step, "peak_memory_gb": None}
+
+    monkeypatch.setattr(grpo_step, "run_trl", fake_trl)
+    path = tmp_path / "r.json"
+    result = grpo_step.main(["--preset", "cpu", "--device", "cpu", "--steps", "1", "--warmup", "0",
+                             "--compare", "trl", "--rounds", "2", "--json", str(path)])
+    assert calls == ["cpu"] * 3  # the main comparison, then one TRL run per round
+    rounds = result["rounds"]["rounds"]
+    assert [r["trl_ms"] for r in rounds] == pytest.approx([200.0, 300.0])
+    for r in rounds:
+        assert r["rlkit_ms"] > 0 and r["rlkit_compiled_ms"] > 0
+        assert r["speedup"] == pytest.approx(r["trl_ms"] / r["rlkit_ms"])
+        assert r["speedup_compiled"] == pytest.approx(r["trl_ms"] / r["rlkit_compiled_ms"])
+    assert result["rounds"]["speedup_median"] == pytest.approx(sum(r["speedup"] for r in rounds) / 2)
+    assert json.loads(path.read_text())["rounds"]["rounds"][1]["trl_ms"] == pytest.approx(300.0)
+
+
+def test_rounds_need_the_trl_comparison():
+    with pytest.raises(SystemExit):
+        grpo_step.main(["--preset", "cpu", "--device", "cpu", "--rounds", "2"])
