@@ -137,10 +137,13 @@ def gather_rows(batch, mesh: DeviceMesh | None = None):
     fields left-padded to the widest rank (with 0 / False, under a False mask). Non-tensor columns
     follow their rows. Collective over ``mesh`` (default: all ranks); identity on one rank.
 
-    Tensors travel through one ``all_gather_into_tensor`` each, on the mesh's device (NCCL on a
-    CUDA mesh); only the non-tensor columns are pickled, as plain lists. Pickling the whole Batch
-    (its ``NonTensorStack`` columns hold one object per row) took 37 ms for 256 rows a rank on
-    an H200 host (``benchmarks/multi_gpu.py --profile``).
+    Three collectives whatever the number of fields, on the mesh's device (NCCL on a CUDA mesh):
+    the shapes, then every tensor field packed into one byte buffer (each field padded to the
+    widest rank and aligned to 8 bytes) in one ``all_gather_into_tensor``, then the non-tensor
+    columns, pickled as plain lists. One gather per field cost 0.5-1 ms each over gloo between
+    two local processes (``benchmarks/cpu_bounds.py``); pickling the whole Batch (its
+    ``NonTensorStack`` columns hold one object per row) took 37 ms for 256 rows a rank on an
+    H200 host (``benchmarks/multi_gpu.py --profile``).
     """
     _, size = _dp_rank_size(mesh)
     if size == 1:
@@ -161,7 +164,8 @@ def gather_rows(batch, mesh: DeviceMesh | None = None):
     shapes = shapes.view(size, -1).tolist()
     counts = [s[0] for s in shapes]
     max_rows = max(counts)
-    out: dict = {}
+    # every field at the common (max_rows, width, ...) shape, as bytes, 8-byte aligned, in one buffer
+    fields, chunks, offset = [], [], 0
     for j, key in enumerate(tensor_keys):
         value = batch.get(key)
         width = max(s[j + 1] for s in shapes)
@@ -171,13 +175,21 @@ def gather_rows(batch, mesh: DeviceMesh | None = None):
             value = torch.nn.functional.pad(value, [0, 0] * (value.dim() - 2) + ([pad, 0] if left else [0, pad]))
         if rows < max_rows:
             value = torch.cat([value, value.new_zeros((max_rows - rows, *value.shape[1:]))])
-        send = value.to(comm)
-        send = send.view(torch.uint8) if send.dtype == torch.bool else send  # gloo has no bool
-        recv = send.new_empty((size * max_rows, *send.shape[1:]))
-        dist.all_gather_into_tensor(recv, send.contiguous(), group=group)
-        recv = recv.view(torch.bool) if value.dtype == torch.bool else recv
-        parts = recv.view(size, max_rows, *recv.shape[1:])
-        out[key] = torch.cat([parts[r, : counts[r]] for r in range(size)]).to(value.device)
+        raw = value.to(comm).contiguous().view(-1)
+        raw = (raw.view(torch.uint8) if raw.dtype == torch.bool else raw).view(torch.uint8)  # gloo has no bool
+        padded = -raw.numel() % 8
+        chunks += [raw, raw.new_zeros(padded)] if padded else [raw]
+        fields.append((key, value.dtype, tuple(value.shape), batch.get(key).device, offset, raw.numel()))
+        offset += raw.numel() + padded
+    out: dict = {}
+    if fields:
+        send = torch.cat(chunks)
+        recv = send.new_empty(size * offset)
+        dist.all_gather_into_tensor(recv, send, group=group)
+        recv = recv.view(size, offset)
+        for key, dtype, shape, device, start, nbytes in fields:
+            parts = [recv[r, start : start + nbytes].view(dtype).view(shape)[: counts[r]] for r in range(size)]
+            out[key] = torch.cat(parts).to(device)
     merged = TensorDict(out, batch_size=[sum(counts)], device=batch.device)
     if other_keys:
         everyone: list = [None] * size
