@@ -227,9 +227,10 @@ def update(
             # unshuffled: a slice (views), not an index (a copy of every field)
             mini_batch = batch[order[m0 : m0 + mini]] if order is not None else batch[m0 : m0 + mini]
             mask_all = mini_batch["response_mask"]
-            num_tokens = _global_sum(to_device(mask_all.sum().to(torch.float32), device), state)
-            # rows without any valid token do not count as sequences (verl's seq-mean-* default)
-            num_seqs = _global_sum(to_device((mask_all.sum(-1) > 0).sum().to(torch.float32), device), state)
+            # rows without any valid token do not count as sequences (verl's seq-mean-* default);
+            # both counts in one collective (whole numbers: float32 sums them exactly)
+            counts = torch.stack([mask_all.sum(), (mask_all.sum(-1) > 0).sum()]).to(torch.float32)
+            num_tokens, num_seqs = _global_sum(to_device(counts, device), state).unbind()
             optimizer.zero_grad(set_to_none=True)
             if train_critic:
                 state.critic_optimizer.zero_grad(set_to_none=True)
