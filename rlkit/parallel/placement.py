@@ -17,6 +17,8 @@ from collections import abc
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+import zlib
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -137,13 +139,15 @@ def gather_rows(batch, mesh: DeviceMesh | None = None):
     fields left-padded to the widest rank (with 0 / False, under a False mask). Non-tensor columns
     follow their rows. Collective over ``mesh`` (default: all ranks); identity on one rank.
 
-    Three collectives whatever the number of fields, on the mesh's device (NCCL on a CUDA mesh):
-    the shapes, then every tensor field packed into one byte buffer (each field padded to the
-    widest rank and aligned to 8 bytes) in one ``all_gather_into_tensor``, then the non-tensor
-    columns, pickled as plain lists. One gather per field cost 0.5-1 ms each over gloo between
-    two local processes (``benchmarks/cpu_bounds.py``); pickling the whole Batch (its
-    ``NonTensorStack`` columns hold one object per row) took 37 ms for 256 rows a rank on an
-    H200 host (``benchmarks/multi_gpu.py --profile``).
+    Two gathers whatever the number of fields, on the mesh's device (NCCL on a CUDA mesh): one
+    object gather of each rank's row count, widths and non-tensor columns (pickled as plain
+    lists), then every tensor field packed into one byte buffer (each field padded to the widest
+    rank and aligned to 8 bytes) in one ``all_gather_into_tensor``. One gather per field cost
+    0.5-1 ms each over gloo between two local processes (``benchmarks/cpu_bounds.py``); pickling
+    the whole Batch (its ``NonTensorStack`` columns hold one object per row) took 37 ms for 256
+    rows a rank on an H200 host (``benchmarks/multi_gpu.py --profile``). Ranks whose batches
+    have different fields (names, dtypes, trailing dimensions) all get a ``ValueError`` naming
+    the odd ranks, not a garbled batch or a hang.
     """
     _, size = _dp_rank_size(mesh)
     if size == 1:
@@ -158,10 +162,26 @@ def gather_rows(batch, mesh: DeviceMesh | None = None):
     tensor_keys = [k for k in keys if isinstance(batch.get(k), torch.Tensor)]
     other_keys = [k for k in keys if k not in tensor_keys]
     rows = batch.batch_size[0]
-    shape = torch.tensor([rows] + [batch.get(k).shape[1] if batch.get(k).dim() >= 2 else 0 for k in tensor_keys], device=comm)
-    shapes = torch.empty(size * len(shape), dtype=shape.dtype, device=comm)
-    dist.all_gather_into_tensor(shapes, shape, group=group)
-    shapes = shapes.view(size, -1).tolist()
+    # one object gather carries what the packed buffer's layout needs (row count and widths), a
+    # fingerprint of what every rank must agree on (names, dtypes, trailing dims), and the
+    # non-tensor columns
+    layout = repr([(str(k), str(batch.get(k).dtype), tuple(batch.get(k).shape[2:])) for k in tensor_keys] + [str(k) for k in other_keys])
+    mine = {
+        "layout": zlib.crc32(layout.encode()),
+        "rows": rows,
+        "widths": [batch.get(k).shape[1] if batch.get(k).dim() >= 2 else 0 for k in tensor_keys],
+        "columns": {k: column(batch, k) for k in other_keys},
+    }
+    everyone: list = [None] * size
+    dist.all_gather_object(everyone, mine, group=group)
+    odd = [r for r, e in enumerate(everyone) if e["layout"] != everyone[0]["layout"]]
+    if odd:
+        raise ValueError(
+            f"gather_rows: the data-parallel ranks' batches have different fields (names, dtypes or trailing "
+            f"dimensions): ranks {odd} of the group differ from its first rank; every rank's Batch must come from "
+            f"the same transforms. This rank's fields: {layout}"
+        )
+    shapes = [[e["rows"], *e["widths"]] for e in everyone]
     counts = [s[0] for s in shapes]
     max_rows = max(counts)
     # every field at the common (max_rows, width, ...) shape, as bytes, 8-byte aligned, in one buffer
@@ -191,11 +211,8 @@ def gather_rows(batch, mesh: DeviceMesh | None = None):
             parts = [recv[r, start : start + nbytes].view(dtype).view(shape)[: counts[r]] for r in range(size)]
             out[key] = torch.cat(parts).to(device)
     merged = TensorDict(out, batch_size=[sum(counts)], device=batch.device)
-    if other_keys:
-        everyone: list = [None] * size
-        dist.all_gather_object(everyone, {k: column(batch, k) for k in other_keys}, group=group)
-        for key in other_keys:
-            set_column(merged, key, [v for part in everyone for v in part[key]])
+    for key in other_keys:
+        set_column(merged, key, [v for e in everyone for v in e["columns"][key]])
     return merged
 
 

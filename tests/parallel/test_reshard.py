@@ -137,6 +137,17 @@ def _job_two(full: dict[str, torch.Tensor]) -> dict:
         "rows": uneven.batch_size[0],
     }
 
+    # Ranks whose batches have different fields get the same clear error, not a garbled batch
+    # or a hang: here rank 1's logprobs are float64 and rank 0's float32.
+    odd = part(rank)
+    if rank == 1:
+        odd.set("logprobs", odd["logprobs"].double())
+    try:
+        gather_rows(odd)
+        out["rows_mismatch"] = "no error"
+    except ValueError as e:
+        out["rows_mismatch"] = str(e)
+
     # Ranks that disagree on the architecture get an error naming the problem, not garbage.
     try:
         R.gather_weights(actor if rank == 0 else _tree(full).to(torch.bfloat16), R.replicated())
@@ -228,6 +239,12 @@ def test_gather_rows_with_uneven_rows_equals_one_process_concatenation(two):
     for r in two:
         u = r["uneven"]
         assert u == {"keys": True, "tensors": True, "text": [True, True], "rows": 3}, u
+
+
+def test_gather_rows_with_different_fields_raises_on_every_rank(two):
+    for r in two:
+        msg = r["rows_mismatch"]
+        assert "different fields" in msg and "ranks [1]" in msg and "float" in msg, msg
 
 
 def test_fsdp4_to_tp2_x_dp2(four):
