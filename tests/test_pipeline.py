@@ -38,7 +38,10 @@ def _batch(model, task, with_critic_fields=False):
     prompts = [task.train.ids[i] for i in range(2) for _ in range(4)]
     responses = [torch.randint(4, 19, (int(k),), generator=g).tolist() for k in [1, 5, 3, 6, 2, 2, 4, 1]]
     batch = make_batch(prompts, responses, group=[0] * 4 + [1] * 4, rewards=[1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
-    batch.set("logprobs", model_logprobs(model, batch)[0])
+    # behaviour log-probs a little off the training forward's, more so for later rows (as an
+    # engine's would be): the train-vs-rollout gap and its max differ between the ranks' halves
+    lp = model_logprobs(model, batch)[0]
+    batch.set("logprobs", lp + 0.01 * torch.arange(len(prompts))[:, None] * batch["response_mask"])
     batch = rk.advantage(batch, "grpo")
     if with_critic_fields:
         batch.set("values", 0.1 * torch.randn(batch["response_mask"].shape, generator=g) * batch["response_mask"])
@@ -114,6 +117,13 @@ def test_update_on_two_processes_equals_one(with_critic, divergent_keep):
     # losses are summed over ranks: the reported value is the global one
     assert results[0]["metrics"]["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], abs=1e-6)
     assert results[1]["metrics"]["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], abs=1e-6)
+    # every reported metric is the global one on each rank, the train-vs-rollout gap (a sum) and
+    # its max (a max over ranks) included
+    assert "actor/logprob_gap" in metrics and "actor/logprob_gap_max" in metrics
+    for r in results:
+        assert set(r["metrics"]) == set(metrics)
+        for key, value in metrics.items():
+            assert r["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
 def _rollout_worker():

@@ -355,16 +355,20 @@ def _reduce_metrics(metrics, gap_abs, gap_max, n_tok, dp, device):
     """Sum the per-rank parts of the metrics (losses are normalised by global counts, so their
     per-rank values add up to the global value); grad norms are already global."""
     keys = sorted(k for k in metrics if not k.endswith("grad_norm"))
-    packed_values = torch.tensor([metrics[k] for k in keys] + [gap_abs or 0.0, n_tok], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(packed_values, group=dp.group)
+    packed = torch.tensor([metrics[k] for k in keys] + [gap_abs or 0.0, n_tok, gap_max or 0.0], dtype=torch.float64, device=device)
+    # one gather, reduced here (sums, and the max of the gap): a handful of scalars, where an
+    # all-reduce for the sums and another for the max cost a collective each
+    size = torch.distributed.get_world_size(dp.group)
+    everyone = packed.new_empty(size * packed.numel())
+    torch.distributed.all_gather_into_tensor(everyone, packed, group=dp.group)
+    everyone = everyone.view(size, -1)
+    sums = everyone[:, :-1].sum(0).tolist()
     out = dict(metrics)
-    out.update({k: float(v) for k, v in zip(keys, packed_values[: len(keys)].tolist())})
+    out.update({k: float(v) for k, v in zip(keys, sums[: len(keys)])})
     if gap_abs is not None:
-        gmax = torch.tensor([gap_max or 0.0], dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(gmax, op=torch.distributed.ReduceOp.MAX, group=dp.group)
-        gap_max = float(gmax)
-        gap_abs = float(packed_values[-2])
-    return out, gap_abs, gap_max, float(packed_values[-1])
+        gap_max = float(everyone[:, -1].max())
+        gap_abs = float(sums[-2])
+    return out, gap_abs, gap_max, float(sums[-1])
 
 
 def _clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor | float:
