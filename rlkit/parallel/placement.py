@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections import abc
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
-
 import zlib
 
 import torch
