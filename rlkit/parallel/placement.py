@@ -13,10 +13,10 @@ rollouts from several generation replicas) into one global Batch in rank order.
 """
 from __future__ import annotations
 
+import zlib
 from collections import abc
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
-import zlib
 
 import torch
 import torch.distributed as dist
