@@ -194,8 +194,7 @@ def gather_rows(batch, mesh: DeviceMesh | None = None):
             value = torch.nn.functional.pad(value, [0, 0] * (value.dim() - 2) + ([pad, 0] if left else [0, pad]))
         if rows < max_rows:
             value = torch.cat([value, value.new_zeros((max_rows - rows, *value.shape[1:]))])
-        raw = value.to(comm).contiguous().view(-1)
-        raw = (raw.view(torch.uint8) if raw.dtype == torch.bool else raw).view(torch.uint8)  # gloo has no bool
+        raw = value.to(comm).contiguous().view(-1).view(torch.uint8)  # bytes of any dtype (gloo has no bool)
         padded = -raw.numel() % 8
         chunks += [raw, raw.new_zeros(padded)] if padded else [raw]
         fields.append((key, value.dtype, tuple(value.shape), batch.get(key).device, offset, raw.numel()))
