@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _workload import build, param_count, reward  # noqa: E402
+from _workload import PRESETS, build, param_count, reward  # noqa: E402
 
 
-def _state_and_batch(n_prompts: int | None = None):
+def _state_and_batch():
     from rlkit.data import as_prompts
     from rlkit.optim import adamw
     from rlkit.state import init
@@ -47,11 +47,11 @@ def _state_and_batch(n_prompts: int | None = None):
     from rlkit.transforms.score import score
 
     wl, model, tok, texts = build("cpu", torch.device("cpu"))
-    prompts = as_prompts(texts[:n_prompts] if n_prompts else texts, tok)
+    prompts = as_prompts(texts, tok)
     state = init(model, adamw(lr=wl.lr), tokenizer=tok)
     batch = advantage(score(rollout(state, prompts, n=wl.n, max_new_tokens=wl.max_new_tokens, seed=0), reward,
                             tokenizer=tok), "grpo")
-    return wl, model, tok, prompts, state, batch
+    return wl, model, tok, batch
 
 
 def micro_batches(repeats: int) -> dict:
@@ -61,7 +61,7 @@ def micro_batches(repeats: int) -> dict:
     from rlkit.state import init
     from rlkit.transforms.update import update
 
-    wl, model, tok, _, _, batch = _state_and_batch()
+    wl, model, tok, batch = _state_and_batch()
     rows = batch.batch_size[0]
     counts = (1, 2, 4)
     states = {k: init(copy.deepcopy(model), adamw(lr=wl.lr), tokenizer=tok) for k in counts}
@@ -107,27 +107,28 @@ def matmul(shapes: list[tuple[str, int, int, int]], reps: int = 200) -> list[dic
 
 
 def _step_child(n_prompts: int, threads: int, steps: int) -> None:
-    """Child process of ``cores``: the whole step on ``n_prompts`` prompts, ``threads`` threads."""
+    """Child process of ``cores``: the step ``grpo_step.py`` times, on ``n_prompts`` prompts and
+    ``threads`` threads."""
     torch.set_num_threads(threads)
-    from rlkit.transforms.advantage import advantage
-    from rlkit.transforms.rollout import rollout
-    from rlkit.transforms.score import score
-    from rlkit.transforms.update import update
+    from grpo_step import grpo_step
 
-    wl, _, tok, prompts, state, _ = _state_and_batch(n_prompts)
+    from rlkit.data import as_prompts
+    from rlkit.optim import adamw
+    from rlkit.state import init
+
+    wl, model, tok, texts = build("cpu", torch.device("cpu"))
+    state = init(model, adamw(lr=wl.lr), tokenizer=tok)
+    prompts = as_prompts(texts[:n_prompts], tok)
     times = []
     for i in range(steps + 3):
-        t = time.perf_counter()
-        batch = rollout(state, prompts, n=wl.n, max_new_tokens=wl.max_new_tokens, seed=i)
-        batch = advantage(score(batch, reward, tokenizer=tok), "grpo")
-        state, _ = update(state, batch, loss="ppo_clip", micro_batch_size=wl.micro_batch)
+        state, t, _ = grpo_step(state, prompts, wl, torch.device("cpu"))
         if i >= 3:
-            times.append(time.perf_counter() - t)
+            times.append(t["step"])
     print("STEP_MS " + json.dumps([1e3 * t for t in times]), flush=True)
 
 
 def cores(threads: int, steps: int) -> dict:
-    wl = build("cpu", torch.device("cpu"))[0]
+    wl = PRESETS["cpu"]
     me = os.path.abspath(__file__)
 
     def launch(n_prompts: int, t: int) -> subprocess.Popen:
