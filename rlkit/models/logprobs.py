@@ -209,10 +209,38 @@ def _padded_attention(qz, kz, vz, q_slots, k_slots, mask, scaling, groups: int) 
     (one gather per tensor; padding slots read the zero row, no index-put, no host sync) and
     attend under ``mask (s 1 Lq Lk)``. Returns ``(s * Lq, H, d)``, one row per query slot."""
     qs, ks, vs = (t[i].transpose(1, 2) for t, i in ((qz, q_slots), (kz, k_slots), (vz, k_slots)))  # (s h L d)
-    if groups > 1:
-        ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
-    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling)  # (s H L d)
+    if qs.device.type == "cpu" and CPU_MATH_ATTENTION:
+        o = _math_attention(qs, ks, vs, mask, scaling, groups)
+    else:
+        if groups > 1:
+            ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling)  # (s H L d)
     return o.transpose(1, 2).reshape(-1, qz.shape[1], qz.shape[2])
+
+
+#: CPU: the padded-segment attention as two batched products (:func:`_math_attention`) instead
+#: of SDPA, whose CPU kernel spends most of its time in per-call set-up at these sizes (a few
+#: dozen keys per segment): 2.5 against 4.7 ms forward+backward per layer at the CPU
+#: benchmark's response segments (``benchmarks/README.md``, twelfth session). False: SDPA.
+CPU_MATH_ATTENTION = True
+
+
+def _math_attention(q, k, v, mask, scaling, groups: int) -> torch.Tensor:
+    """``softmax(q k^T * scale | mask) v`` for ``q (s H Lq d)``, ``k, v (s kvh Lk d)`` and a
+    boolean ``mask (s 1 Lq Lk)`` (True: attend; every query row has at least one key), in
+    float32 at least. The ``g = H / kvh`` query heads of a key/value head are stacked as
+    ``g * Lq`` query rows against that head, so keys and values are never repeated. The same
+    values as SDPA up to float rounding (``tests/models/test_logprobs.py``)."""
+    s, h, lq, d = q.shape
+    kvh, lk = k.shape[1], k.shape[2]
+    dtype = q.dtype
+    if dtype not in (torch.float32, torch.float64):
+        q, k, v = q.float(), k.float(), v.float()
+    scale = d**-0.5 if scaling is None else scaling
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))[:, :, None]
+    scores = torch.matmul(q.reshape(s, kvh, groups * lq, d), k.transpose(-1, -2)).view(s, kvh, groups, lq, lk)
+    probs = torch.add(bias, scores, alpha=scale).softmax(-1)  # bias + scale * scores: one op
+    return torch.matmul(probs.view(s, kvh, groups * lq, lk), v).view(s, h, lq, d).to(dtype)
 
 
 def _unpad_index(slot_tables: list[torch.Tensor], n: int) -> torch.Tensor:
