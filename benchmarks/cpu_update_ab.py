@@ -1,5 +1,5 @@
-"""The CPU preset's update, A/B: the ninth session's three bit-identical changes to the training
-path, each toggled back, timed interleaved on one fixed GRPO batch in one process.
+"""The CPU preset's update, A/B: the CPU training path's changes, each toggled back, timed
+interleaved on one fixed GRPO batch in one process.
 
     python benchmarks/cpu_update_ab.py [--threads 2] [--repeats 25]
 
@@ -10,10 +10,17 @@ Variants (cumulative, left to right):
   torch's per-parameter AdamW loop (its CPU default);
 - ``+plan``: :func:`rlkit.models.logprobs._shared_padded` (one cached padding plan per layout);
 - ``+no-ckpt``: chunks below ``CHECKPOINT_MIN_LOGITS`` keep their logits for the backward;
-- ``+foreach``: rlkit's CPU default AdamW (the foreach kernels) -- all of today's defaults.
+- ``+foreach``: AdamW through torch's foreach kernels (rlkit's CPU default from the ninth to the
+  eleventh session);
+- ``+math-attn``: the padded-segment attention as two batched products
+  (:data:`rlkit.models.logprobs.CPU_MATH_ATTENTION`) instead of SDPA (twelfth session);
+- ``+fused-adamw``: AdamW through torch's fused CPU kernel -- all of today's defaults.
 
-Prints the median and minimum update time of each and checks that every variant's parameters,
-after the same updates, equal ``before``'s bit for bit. One JSON line at the end.
+The first four compute the same values; the last two round differently. Prints the median and
+minimum update time of each, its median time relative to ``before`` update by update (the
+variants take turns, so a noisy machine's drift cancels in the ratio), and checks the
+parameters after the same updates: ``+plan`` to ``+foreach`` equal ``before``'s bit for bit,
+the last two agree with it to float rounding. One JSON line at the end.
 """
 from __future__ import annotations
 
@@ -29,7 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-VARIANTS = ("before", "+plan", "+no-ckpt", "+foreach")
+VARIANTS = ("before", "+plan", "+no-ckpt", "+foreach", "+math-attn", "+fused-adamw")
+#: variants that compute exactly what ``before`` computes
+BIT_IDENTICAL = VARIANTS[:4]
 
 
 def main(argv=None) -> dict:
@@ -50,20 +59,24 @@ def main(argv=None) -> dict:
     from rlkit.transforms.score import score
     from rlkit.transforms.update import update
 
-    planned, min_logits = L._shared_padded, L.CHECKPOINT_MIN_LOGITS
+    planned, min_logits, math_attention = L._shared_padded, L.CHECKPOINT_MIN_LOGITS, L.CPU_MATH_ATTENTION
 
     def configure(level: int) -> None:
         L._shared_padded = planned if level >= 1 else L._shared_segments
         L.CHECKPOINT_MIN_LOGITS = min_logits if level >= 2 else 0
+        L.CPU_MATH_ATTENTION = math_attention if level >= 4 else False
 
     device = torch.device("cpu")
     wl, model, tok, texts = build("cpu", device)
     prompts = as_prompts(texts, tok)
     first = init(copy.deepcopy(model), adamw(lr=wl.lr), tokenizer=tok)
     batch = advantage(score(rollout(first, prompts, n=wl.n, max_new_tokens=wl.max_new_tokens), reward, tokenizer=tok), "grpo")
-    # fused=False is torch's default, the per-parameter loop on CPU; None is rlkit's choice (foreach)
-    states = [init(copy.deepcopy(model), adamw(lr=wl.lr, fused=None if level >= 3 else False), tokenizer=tok)
+    # fused=False is torch's default, the per-parameter loop on CPU; None is rlkit's choice (fused)
+    states = [init(copy.deepcopy(model), adamw(lr=wl.lr, fused=None if level >= 5 else False), tokenizer=tok)
               for level in range(len(VARIANTS))]
+    for level in (3, 4):  # foreach: a flag the optimizer reads at each step (no state exists yet)
+        for group in states[level].optimizer.param_groups:
+            group["foreach"] = True
     times: list[list[float]] = [[] for _ in VARIANTS]
     try:
         for r in range(args.repeats):
@@ -77,12 +90,17 @@ def main(argv=None) -> dict:
         configure(len(VARIANTS))
     base = dict(states[0].actor.named_parameters())
     result = {"threads": args.threads, "tokens": float(batch["response_mask"].sum()), "variants": {}}
-    print(f"{'variant':12s} {'median':>9s} {'min':>9s}  parameters after {args.repeats} updates")
+    print(f"{'variant':12s} {'median':>9s} {'min':>9s} {'vs before':>10s}  parameters after {args.repeats} updates")
     for level, name in enumerate(VARIANTS):
-        same = all(torch.equal(base[k], p) for k, p in states[level].actor.named_parameters())
+        params = dict(states[level].actor.named_parameters())
+        same = all(torch.equal(base[k], p) for k, p in params.items())
+        gap = max(float((base[k] - p).detach().abs().max()) for k, p in params.items())
         med, low = statistics.median(times[level]), min(times[level])
-        result["variants"][name] = {"update_ms_median": 1e3 * med, "update_ms_min": 1e3 * low, "bit_identical": same}
-        print(f"{name:12s} {1e3 * med:7.2f}ms {1e3 * low:7.2f}ms  {'= before, bit for bit' if same else 'DIFFER from before'}")
+        ratio = statistics.median(t / t0 for t, t0 in zip(times[level], times[0]))
+        result["variants"][name] = {"update_ms_median": 1e3 * med, "update_ms_min": 1e3 * low, "paired_ratio_to_before": ratio,
+                                    "bit_identical": same, "max_param_diff": gap}
+        check = "= before, bit for bit" if same else f"differ from before by at most {gap:.1e}"
+        print(f"{name:12s} {1e3 * med:7.2f}ms {1e3 * low:7.2f}ms {ratio:9.3f}x  {check}")
     print("RESULT_JSON " + json.dumps(result))
     return result
 

@@ -28,8 +28,9 @@ On CUDA (bf16/fp16) two paths replace the generic ones:
   copy of the chunk's logits exists.
 
 On CPU, packed batches longer than ``CPU_DENSE_MASK_MAX_TOKENS`` use the same attention hook
-with each row scattered into a padded batch for SDPA (``O(b L^2)`` work instead of the dense
-mask's ``O(n^2)``); shorter ones keep transformers' path.
+with each row scattered into a padded batch (``O(b L^2)`` work instead of the dense mask's
+``O(n^2)``); shorter ones keep transformers' path. A padded batch attends through SDPA, except
+on CPU, where two batched products are faster at these sizes (:data:`CPU_MATH_ATTENTION`).
 
 Shared prompts (:class:`SharedPrefix`, ``SHARE_PROMPTS``): GRPO-style batches hold n responses
 per prompt in consecutive rows; the packed layout can keep one copy of each prompt, with every
@@ -37,7 +38,7 @@ response attending to it, so the prompt's layers run once per group instead of n
 log-probs, values and gradients; on by default. On CUDA both attention calls of the layout are
 varlen flash attention: prompts causal among themselves, and each response's queries against
 ``[prompt; response]`` keys, which flash's bottom-right-aligned causal mask gets exactly right.
-Without flash (CPU, float32) the two calls are SDPA over zero-padded batches of the prompts and
+Without flash (CPU, float32) the two calls attend over zero-padded batches of the prompts and
 of the responses, gathered by one index per tensor from a plan built once per layout
 (:func:`_shared_padded`).
 
@@ -99,7 +100,7 @@ def _varlen_attention(module, query, key, value, attention_mask, dropout: float 
     rows with boundaries ``kwargs["cu_seq_lens_q"]`` -> ``(1 n H d)``, causal within each row.
 
     Flash attention needs bf16/fp16 inputs; otherwise (e.g. FSDP without mixed precision) each
-    row is scattered into a padded batch for SDPA (:func:`_attend_segments`)."""
+    row is scattered into a padded batch (:func:`_attend_segments`)."""
     cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     if cu is None or max_len is None:
         raise RuntimeError("rlkit varlen attention needs cu_seq_lens_q / max_length_q (call through rlkit.models.response_hidden)")
@@ -170,8 +171,8 @@ def _causal_mask(q_len: torch.Tensor, k_len: torch.Tensor, lq: int, lk: int) -> 
 
 @torch.compiler.disable
 def _padded_segments(q, k, v, q_cu, k_cu, q_max: int, k_max: int, scaling, groups: int) -> torch.Tensor:
-    """:func:`_attend_segments` without flash: each segment zero-padded into a batch for SDPA with
-    a causal + key-padding mask (:func:`_slots`, :func:`_padded_attention`), gathered back
+    """:func:`_attend_segments` without flash: each segment zero-padded into a batch that attends
+    under a causal + key-padding mask (:func:`_slots`, :func:`_padded_attention`), gathered back
     (:func:`_unpad_index`). Work ``O(s L^2)``, not ``O(n^2)``.
 
     Kept out of compiled blocks (a graph break): inductor once fused this function's indexing
@@ -204,10 +205,11 @@ def _zero_row(t: torch.Tensor) -> torch.Tensor:
 
 
 def _padded_attention(qz, kz, vz, q_slots, k_slots, mask, scaling, groups: int) -> torch.Tensor:
-    """SDPA over zero-padded segment batches: ``qz (nq+1 H d)``, ``kz, vz (nk+1 kvh d)``
+    """Attention over zero-padded segment batches: ``qz (nq+1 H d)``, ``kz, vz (nk+1 kvh d)``
     (:func:`_zero_row`) are gathered by the slot tables ``q_slots (s Lq)``, ``k_slots (s Lk)``
     (one gather per tensor; padding slots read the zero row, no index-put, no host sync) and
-    attend under ``mask (s 1 Lq Lk)``. Returns ``(s * Lq, H, d)``, one row per query slot."""
+    attend under ``mask (s 1 Lq Lk)``, through SDPA, or on CPU :func:`_math_attention`.
+    Returns ``(s * Lq, H, d)``, one row per query slot."""
     qs, ks, vs = (t[i].transpose(1, 2) for t, i in ((qz, q_slots), (kz, k_slots), (vz, k_slots)))  # (s h L d)
     if qs.device.type == "cpu" and CPU_MATH_ATTENTION:
         o = _math_attention(qs, ks, vs, mask, scaling, groups)
@@ -386,7 +388,7 @@ def _shared_segments(q, k, v, layout: SharedPrefix, scaling, groups: int) -> tor
 @dataclass
 class _PaddedPlan:
     """Where every token of a :class:`SharedPrefix` layout sits in the padded batches that
-    :func:`_shared_padded` hands to SDPA: gather indices into the packed tokens (``n`` points at
+    :func:`_shared_padded` attends over: gather indices into the packed tokens (``n`` points at
     an appended zero row), the attention masks, and each packed token's place in the padded
     outputs. Depends only on the layout, so it is built once per forward, not once per layer."""
 
@@ -420,8 +422,8 @@ def _padded_plan(layout: SharedPrefix) -> _PaddedPlan:
 def _shared_padded(q, k, v, layout: SharedPrefix, scaling, groups: int) -> torch.Tensor:
     """The shared-prompt attention without flash (CPU, float32): prompts and responses each
     gathered into a zero-padded batch by one index per tensor (:class:`_PaddedPlan`, built once
-    per layout), two SDPA calls, one gather back to ``(n h d)``. The same SDPA inputs as
-    :func:`_shared_segments` (equal values and gradients, bit for bit:
+    per layout), two attention calls, one gather back to ``(n h d)``. The same attention inputs
+    as :func:`_shared_segments` (equal values and gradients, bit for bit:
     ``tests/models/test_shared_prefix.py``) with a fraction of its small ops.
 
     Kept out of compiled blocks for the reason :func:`_padded_segments` is."""

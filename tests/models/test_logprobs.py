@@ -256,3 +256,32 @@ def test_packed_rows_through_padded_segments_equal_the_padded_layout(model, batc
     torch.testing.assert_close(lp0, lp1, rtol=0, atol=1e-6)  # log-probs are computed in float32
     for name in g1:
         torch.testing.assert_close(g0[name], g1[name], rtol=1e-9, atol=1e-9 * float(g1[name].abs().max()), msg=name)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_cpu_math_attention_matches_sdpa_in_values_and_gradients(heads, kv_heads):
+    # the CPU padded-segment attention (two batched products, GQA without repeating keys) against
+    # SDPA with repeated keys/values, in float64: bottom-right causal masks with padded keys
+    from rlkit.models.logprobs import _causal_mask, _math_attention
+
+    g = torch.Generator().manual_seed(0)
+    s, lq, lk, d = 5, 4, 7, 8
+    q_len, k_len = torch.tensor([4, 1, 3, 4, 2]), torch.tensor([7, 1, 5, 4, 6])
+    mask = _causal_mask(q_len, k_len, lq, lk)
+    q = torch.randn(s, heads, lq, d, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(s, kv_heads, lk, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    grad_out = torch.randn(s, heads, lq, d, generator=g, dtype=torch.float64)
+    groups = heads // kv_heads
+    ours = _math_attention(q, k, v, mask, 0.3, groups)
+    grads = torch.autograd.grad(ours, (q, k, v), grad_out)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=mask, scale=0.3)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    # a key past a row's end or after its causal limit gets no weight: its value does not matter
+    assert grads[2][1, :, 1:].abs().max() == 0
+    # float32 in, float32 out; bf16 in: computed in float32, returned in bf16
+    assert _math_attention(q.float(), k.float(), v.float(), mask, None, groups).dtype == torch.float32
+    assert _math_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, None, groups).dtype == torch.bfloat16
