@@ -14,13 +14,15 @@ Variants (cumulative, left to right):
   eleventh session);
 - ``+math-attn``: the padded-segment attention as two batched products
   (:data:`rlkit.models.logprobs.CPU_MATH_ATTENTION`) instead of SDPA (twelfth session);
+- ``+index-select``: the training forward's row gathers through ``index_select``, whose backward
+  is ``index_add_``, instead of indexing (:data:`rlkit.models.logprobs.CPU_INDEX_SELECT`);
 - ``+fused-adamw``: AdamW through torch's fused CPU kernel -- all of today's defaults.
 
-The first four compute the same values; the last two round differently. Prints the median and
+The first four compute the same values; the last three round differently. Prints the median and
 minimum update time of each, its median time relative to ``before`` update by update (the
 variants take turns, so a noisy machine's drift cancels in the ratio), and checks the
 parameters after the same updates: ``+plan`` to ``+foreach`` equal ``before``'s bit for bit,
-the last two agree with it to float rounding. One JSON line at the end.
+the last three agree with it to float rounding. One JSON line at the end.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-VARIANTS = ("before", "+plan", "+no-ckpt", "+foreach", "+math-attn", "+fused-adamw")
+VARIANTS = ("before", "+plan", "+no-ckpt", "+foreach", "+math-attn", "+index-select", "+fused-adamw")
 #: variants that compute exactly what ``before`` computes
 BIT_IDENTICAL = VARIANTS[:4]
 
@@ -59,12 +61,14 @@ def main(argv=None) -> dict:
     from rlkit.transforms.score import score
     from rlkit.transforms.update import update
 
-    planned, min_logits, math_attention = L._shared_padded, L.CHECKPOINT_MIN_LOGITS, L.CPU_MATH_ATTENTION
+    planned, min_logits, math_attention, index_select = (L._shared_padded, L.CHECKPOINT_MIN_LOGITS, L.CPU_MATH_ATTENTION,
+                                                         L.CPU_INDEX_SELECT)
 
     def configure(level: int) -> None:
         L._shared_padded = planned if level >= 1 else L._shared_segments
         L.CHECKPOINT_MIN_LOGITS = min_logits if level >= 2 else 0
         L.CPU_MATH_ATTENTION = math_attention if level >= 4 else False
+        L.CPU_INDEX_SELECT = index_select if level >= 5 else False
 
     device = torch.device("cpu")
     wl, model, tok, texts = build("cpu", device)
@@ -72,9 +76,9 @@ def main(argv=None) -> dict:
     first = init(copy.deepcopy(model), adamw(lr=wl.lr), tokenizer=tok)
     batch = advantage(score(rollout(first, prompts, n=wl.n, max_new_tokens=wl.max_new_tokens), reward, tokenizer=tok), "grpo")
     # fused=False is torch's default, the per-parameter loop on CPU; None is rlkit's choice (fused)
-    states = [init(copy.deepcopy(model), adamw(lr=wl.lr, fused=None if level >= 5 else False), tokenizer=tok)
+    states = [init(copy.deepcopy(model), adamw(lr=wl.lr, fused=None if level >= 6 else False), tokenizer=tok)
               for level in range(len(VARIANTS))]
-    for level in (3, 4):  # foreach: a flag the optimizer reads at each step (no state exists yet)
+    for level in (3, 4, 5):  # foreach: a flag the optimizer reads at each step (no state exists yet)
         for group in states[level].optimizer.param_groups:
             group["foreach"] = True
     times: list[list[float]] = [[] for _ in VARIANTS]
@@ -90,7 +94,7 @@ def main(argv=None) -> dict:
         configure(len(VARIANTS))
     base = dict(states[0].actor.named_parameters())
     result = {"threads": args.threads, "tokens": float(batch["response_mask"].sum()), "variants": {}}
-    print(f"{'variant':12s} {'median':>9s} {'min':>9s} {'vs before':>10s}  parameters after {args.repeats} updates")
+    print(f"{'variant':13s} {'median':>9s} {'min':>9s} {'vs before':>10s}  parameters after {args.repeats} updates")
     for level, name in enumerate(VARIANTS):
         params = dict(states[level].actor.named_parameters())
         same = all(torch.equal(base[k], p) for k, p in params.items())
@@ -100,7 +104,7 @@ def main(argv=None) -> dict:
         result["variants"][name] = {"update_ms_median": 1e3 * med, "update_ms_min": 1e3 * low, "paired_ratio_to_before": ratio,
                                     "bit_identical": same, "max_param_diff": gap}
         check = "= before, bit for bit" if same else f"differ from before by at most {gap:.1e}"
-        print(f"{name:12s} {1e3 * med:7.2f}ms {1e3 * low:7.2f}ms {ratio:9.3f}x  {check}")
+        print(f"{name:13s} {1e3 * med:7.2f}ms {1e3 * low:7.2f}ms {ratio:9.3f}x  {check}")
     print("RESULT_JSON " + json.dumps(result))
     return result
 

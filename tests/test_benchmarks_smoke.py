@@ -93,7 +93,7 @@ def test_cpu_update_ab_runs_and_its_variants_train_alike():
     import cpu_update_ab
     from rlkit.models import logprobs as L
 
-    before = (L._shared_padded, L.CHECKPOINT_MIN_LOGITS, L.CPU_MATH_ATTENTION)
+    before = (L._shared_padded, L.CHECKPOINT_MIN_LOGITS, L.CPU_MATH_ATTENTION, L.CPU_INDEX_SELECT)
     result = cpu_update_ab.main(["--repeats", "4"])
     variants = result["variants"]
     assert set(variants) == set(cpu_update_ab.VARIANTS)
@@ -101,7 +101,7 @@ def test_cpu_update_ab_runs_and_its_variants_train_alike():
     assert all(variants[name]["bit_identical"] for name in cpu_update_ab.BIT_IDENTICAL)
     # lr 1e-6 for 4 updates moves a parameter by ~4e-6; rounding moves it far less
     assert all(v["max_param_diff"] < 1e-7 for v in variants.values())
-    assert (L._shared_padded, L.CHECKPOINT_MIN_LOGITS, L.CPU_MATH_ATTENTION) == before
+    assert (L._shared_padded, L.CHECKPOINT_MIN_LOGITS, L.CPU_MATH_ATTENTION, L.CPU_INDEX_SELECT) == before
 
 
 def test_cpu_bf16_preset_is_the_cpu_preset_in_bf16():

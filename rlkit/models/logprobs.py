@@ -186,7 +186,7 @@ def _padded_segments(q, k, v, q_cu, k_cu, q_max: int, k_max: int, scaling, group
     k_slots, k_len = (q_slots, q_len) if same else _slots(torch.arange(nk, device=k.device), k_cu, k_max, nk)
     out = _padded_attention(_zero_row(q), _zero_row(k), _zero_row(v), q_slots, k_slots,
                             _causal_mask(q_len, k_len, q_max, k_max), scaling, groups)
-    return out[_unpad_index([q_slots], nq)]
+    return _take_rows(out, _unpad_index([q_slots], nq))
 
 
 def _slots(index: torch.Tensor, cu: torch.Tensor, width: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,6 +197,21 @@ def _slots(index: torch.Tensor, cu: torch.Tensor, width: int, n: int) -> tuple[t
     valid = j[None, :] < lengths[:, None]
     flat = (cu[:-1, None] + j[None, :]).clamp(max=max(index.numel() - 1, 0))
     return torch.where(valid, index[flat] if index.numel() else flat, n), lengths
+
+
+#: CPU: gather rows with ``index_select``, whose backward is ``index_add_``, instead of advanced
+#: indexing, whose backward (``index_put_(accumulate=True)``) runs serially on CPU: 0.2 against
+#: 1.1 ms for the backward of one layer's response-key gather on the CPU benchmark
+#: (``benchmarks/README.md``, twelfth session). The two sum a row's gradient in different orders,
+#: so they round differently. CUDA keeps indexing (its ``index_add_`` is nondeterministic).
+CPU_INDEX_SELECT = True
+
+
+def _take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t[index]`` for an integer ``index`` of any shape over ``t``'s first dimension."""
+    if t.device.type == "cpu" and CPU_INDEX_SELECT:
+        return t.index_select(0, index.reshape(-1)).view(*index.shape, *t.shape[1:])
+    return t[index]
 
 
 def _zero_row(t: torch.Tensor) -> torch.Tensor:
@@ -210,7 +225,7 @@ def _padded_attention(qz, kz, vz, q_slots, k_slots, mask, scaling, groups: int) 
     (one gather per tensor; padding slots read the zero row, no index-put, no host sync) and
     attend under ``mask (s 1 Lq Lk)``, through SDPA, or on CPU :func:`_math_attention`.
     Returns ``(s * Lq, H, d)``, one row per query slot."""
-    qs, ks, vs = (t[i].transpose(1, 2) for t, i in ((qz, q_slots), (kz, k_slots), (vz, k_slots)))  # (s h L d)
+    qs, ks, vs = (_take_rows(t, i).transpose(1, 2) for t, i in ((qz, q_slots), (kz, k_slots), (vz, k_slots)))  # (s h L d)
     if qs.device.type == "cpu" and CPU_MATH_ATTENTION:
         o = _math_attention(qs, ks, vs, mask, scaling, groups)
     else:
@@ -432,7 +447,7 @@ def _shared_padded(q, k, v, layout: SharedPrefix, scaling, groups: int) -> torch
     parts = [_padded_attention(qz, kz, vz, plan.prompt_q, plan.prompt_q, plan.prompt_mask, scaling, groups)]
     if plan.response_q.numel():
         parts.append(_padded_attention(qz, kz, vz, plan.response_q, plan.response_k, plan.response_mask, scaling, groups))
-    return torch.cat(parts)[plan.gather_out]
+    return _take_rows(torch.cat(parts), plan.gather_out)
 
 
 _SHARED_NAME = "rlkit_shared_prefix"
@@ -748,7 +763,7 @@ def response_hidden(
         inputs = dict(input_ids=v.input_ids[None], position_ids=v.position_ids[None], attention_mask=None, use_cache=False)
         with _attention_implementation(backbone.config, _SHARED_NAME):
             out = backbone(**inputs, rlkit_shared_prefix=v)
-        return out.last_hidden_state[0][v.predict_index], view.targets
+        return _take_rows(out.last_hidden_state[0], v.predict_index), view.targets
     if view.kind == "packed":
         v = view.view
         inputs = dict(input_ids=v.input_ids[None], position_ids=v.position_ids[None], attention_mask=None, use_cache=False)
@@ -760,7 +775,7 @@ def response_hidden(
         else:
             out = backbone(**inputs)
         hidden = out.last_hidden_state[0]
-        return hidden[v.response_index - 1], view.targets
+        return _take_rows(hidden, v.response_index - 1), view.targets
     prompt_mask, response_mask = prompt_mask.bool(), response_mask.bool()
     ids = torch.cat([prompt_ids, response_ids], dim=1)
     mask = torch.cat([prompt_mask, response_mask], dim=1)

@@ -99,7 +99,7 @@ def test_an_update_with_shared_prompts_equals_one_without(monkeypatch):
 @pytest.mark.parametrize("kvh", [2, 4])
 def test_cpu_shared_attention_equals_the_segment_by_segment_one_bit_for_bit(kvh):
     # _shared_padded builds its padded batches from one cached plan per layout instead of per
-    # segment; the SDPA inputs are the same, so outputs and gradients must be identical
+    # segment; the attention inputs are the same, so outputs and gradients must be identical
     layout = L.shared_prefix(*_args())
     n, heads, d = layout.input_ids.numel(), 4, 16
     g = torch.Generator().manual_seed(0)
