@@ -285,3 +285,26 @@ def test_cpu_math_attention_matches_sdpa_in_values_and_gradients(heads, kv_heads
     # float32 in, float32 out; bf16 in: computed in float32, returned in bf16
     assert _math_attention(q.float(), k.float(), v.float(), mask, None, groups).dtype == torch.float32
     assert _math_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, None, groups).dtype == torch.bfloat16
+
+
+def test_take_rows_gathers_like_indexing_with_gradients_summed_over_repeats(monkeypatch):
+    # the CPU row gather (index_select, backward index_add_) against plain indexing: the same rows,
+    # and a row taken several times gets the sum of its slots' gradients
+    from rlkit.models import logprobs as L
+
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(7, 3, 2, generator=g, dtype=torch.float64)
+    index = torch.tensor([[0, 6, 6], [2, 0, 6]])
+    grad_out = torch.randn(2, 3, 3, 2, generator=g, dtype=torch.float64)
+    results = []
+    for flag in (True, False):
+        monkeypatch.setattr(L, "CPU_INDEX_SELECT", flag)
+        x = src.clone().requires_grad_()
+        out = L._take_rows(x, index)
+        out.backward(grad_out)
+        results.append((out.detach(), x.grad))
+    (out, grad), (ref, ref_grad) = results
+    assert out.shape == (2, 3, 3, 2) and torch.equal(out, ref)
+    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad[6], grad_out[0, 1] + grad_out[0, 2] + grad_out[1, 2])
+    assert (grad[[1, 3, 4, 5]] == 0).all()
