@@ -63,6 +63,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlkit._triton import lazy_kernels
 from rlkit.batch import packed
+from rlkit.engines.torch_engine import _small_attention
 
 #: Triton and ``triton.language``, put here by :func:`rlkit._triton.lazy_kernels` when the kernels
 #: are first built (None before that, and on machines without Triton)
@@ -244,20 +245,18 @@ CPU_MATH_ATTENTION = True
 
 def _math_attention(q, k, v, mask, scaling, groups: int) -> torch.Tensor:
     """``softmax(q k^T * scale | mask) v`` for ``q (s H Lq d)``, ``k, v (s kvh Lk d)`` and a
-    boolean ``mask (s 1 Lq Lk)`` (True: attend; every query row has at least one key), in
-    float32 at least. The ``g = H / kvh`` query heads of a key/value head are stacked as
-    ``g * Lq`` query rows against that head, so keys and values are never repeated. The same
-    values as SDPA up to float rounding (``tests/models/test_logprobs.py``)."""
+    boolean ``mask (s 1 Lq Lk)`` (True: attend; every query row has at least one key), through
+    the rollout engine's CPU decode attention (:func:`rlkit.engines.torch_engine._small_attention`:
+    two products, float32 at least). The ``g = H / kvh`` query heads of a key/value head are
+    stacked as ``g * Lq`` query rows against that head, so keys and values are never repeated.
+    The same values as SDPA up to float rounding (``tests/models/test_logprobs.py``)."""
     s, h, lq, d = q.shape
-    kvh, lk = k.shape[1], k.shape[2]
-    dtype = q.dtype
-    if dtype not in (torch.float32, torch.float64):
-        q, k, v = q.float(), k.float(), v.float()
+    kvh = k.shape[1]
     scale = d**-0.5 if scaling is None else scaling
-    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))[:, :, None]
-    scores = torch.matmul(q.reshape(s, kvh, groups * lq, d), k.transpose(-1, -2)).view(s, kvh, groups, lq, lk)
-    probs = torch.add(bias, scores, alpha=scale).softmax(-1)  # bias + scale * scores: one op
-    return torch.matmul(probs.view(s, kvh, groups * lq, lk), v).view(s, h, lq, d).to(dtype)
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    if groups > 1:  # one copy of a row's mask per stacked query head: (s 1 g*Lq Lk)
+        bias = bias.repeat(1, 1, groups, 1)
+    return _small_attention(q.reshape(s, kvh, groups * lq, d), k, v, bias, scale).view(s, h, lq, d)
 
 
 def _unpad_index(slot_tables: list[torch.Tensor], n: int) -> torch.Tensor:
