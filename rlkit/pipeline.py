@@ -64,6 +64,9 @@ def mesh(*shape: int, names: tuple[str, ...] | None = None):
     return device_mesh(shape or None, names)
 
 
+#: when a lowered update reduce-scatters gradients (``Pipeline.lower(grad_reduce=...)``)
+GRAD_REDUCE = ("micro_batch", "step")
+
 StepFn = Callable[[TrainState, Prompts, Callable], "tuple[TrainState, dict]"]
 
 
@@ -95,6 +98,7 @@ class Pipeline:
         rollout_dtype: torch.dtype | None = None,
         release_rollout_memory: bool = False,
         shard_reward: bool = True,
+        grad_reduce: str = "micro_batch",
     ) -> "Plan":
         """Lower onto a placement: ``None`` = this process (identity when torch.distributed is
         off, every role colocated on all ranks when it is on); a DeviceMesh = every role
@@ -106,7 +110,17 @@ class Pipeline:
 
         ``shard_reward``: every rank holds the same global Batch after the rollout; each rank
         scores 1/N of it and the rewards are all-gathered (:func:`rlkit.parallel.shard_reward`).
-        ``False`` scores every row on every rank (a TRL-style reward that needs all rows at once)."""
+        ``False`` scores every row on every rank (a TRL-style reward that needs all rows at once).
+
+        ``grad_reduce``: when FSDP2 reduce-scatters the trained roles' gradients in an update of
+        several micro-batches per optimizer step. ``"micro_batch"`` (default): as each
+        micro-batch's backward ends, so a rank only ever holds its gradient shards.
+        ``"step"``: the micro-batches accumulate unsharded gradients locally and only the last
+        one's backward reduce-scatters them: 1/k of the gradient communication for k
+        micro-batches (the ``no_sync`` accumulation of DDP and accelerate), for the memory of a
+        full float32 gradient of the model on every rank (4 bytes a parameter; FSDP2 keeps it
+        in the reduce dtype). The optimizer step and its result are the same either way, up to
+        the order of float additions."""
         from rlkit.parallel import Placement, colocated_placement, local_placement
 
         distributed = dist.is_available() and dist.is_initialized()
@@ -114,9 +128,11 @@ class Pipeline:
             placement = colocated_placement() if distributed and dist.get_world_size() > 1 else local_placement()
         elif not isinstance(placement, Placement):
             placement = colocated_placement(placement)
+        if grad_reduce not in GRAD_REDUCE:
+            raise ValueError(f"grad_reduce must be one of {', '.join(map(repr, GRAD_REDUCE))}, got {grad_reduce!r}")
         return Plan(self, placement, tp=tp, mixed_precision=mixed_precision, cpu_offload=cpu_offload,
                     activation_checkpointing=activation_checkpointing, rollout_dtype=rollout_dtype,
-                    release_rollout_memory=release_rollout_memory, shard_reward=shard_reward)
+                    release_rollout_memory=release_rollout_memory, shard_reward=shard_reward, grad_reduce=grad_reduce)
 
 
 @dataclass
@@ -132,6 +148,7 @@ class Plan:
     rollout_dtype: torch.dtype | None = None
     release_rollout_memory: bool = False
     shard_reward: bool = True
+    grad_reduce: str = "micro_batch"
     reports: list = field(default_factory=list)
     _rewards: dict = field(default_factory=dict, repr=False)
 
@@ -181,7 +198,8 @@ class Plan:
         engine.policy_version = state.policy_version
         cache = dict(state._cache)
         cache.update(dp=dp, actor_module=actor_module, engine=engine, engine_kind="torch",
-                     rollout_dp=rollout_dp, weight_sync=self._weight_sync, release_engine=self.release_rollout_memory)
+                     rollout_dp=rollout_dp, weight_sync=self._weight_sync, release_engine=self.release_rollout_memory,
+                     grad_reduce=self.grad_reduce)
         critic_opt = state.critic_optimizer
         if state.critic is not None:
             cache["critic_module"] = fsdp.shard_model(ValueModule(state.critic), actor_mesh, **opts)
@@ -234,7 +252,7 @@ class Plan:
         opts = dict(mixed_precision=self.mixed_precision, cpu_offload=self.cpu_offload,
                     activation_checkpointing=self.activation_checkpointing, gradient_reduction="sum")
         cache.update(actor_module=fsdp.shard_model(LogprobModule(actor), mesh, **opts),
-                     dp=DataParallel(mesh, list(actor_ranks).index(me), len(actor_ranks)))
+                     dp=DataParallel(mesh, list(actor_ranks).index(me), len(actor_ranks)), grad_reduce=self.grad_reduce)
         optimizer, scheduler = state.optimizer_spec.build(actor.parameters())
         return state.replace(optimizer=optimizer, scheduler=scheduler, _cache=cache)
 

@@ -163,3 +163,20 @@ def test_rounds_alternate_the_arms_and_take_ratios_within_each_round(monkeypatch
 def test_rounds_need_the_trl_comparison():
     with pytest.raises(SystemExit):
         grpo_step.main(["--preset", "cpu", "--device", "cpu", "--rounds", "2"])
+
+
+@pytest.mark.distributed
+def test_grad_reduce_benchmark_compares_the_two_modes(tmp_path):
+    """``grad_reduce.py --local 2``: two gloo processes, 2 micro-batches a rank."""
+    import grad_reduce
+
+    path = tmp_path / "gr.json"
+    result = grad_reduce.main(["--local", "2", "--threads", "1", "--rows", "8", "--micro", "4", "--repeats", "1",
+                               "--json", str(path)])
+    assert json.loads(path.read_text()) == result
+    modes = result["modes"]
+    # FSDP's 3 units (2 blocks and the root) reduce after each of the 2 micro-batches, or once
+    assert modes["micro_batch"]["reduce_scatters_per_update"] == 6
+    assert modes["step"]["reduce_scatters_per_update"] == 3
+    assert result["micro_batches_per_update"] == 2
+    assert result["max_param_diff"] < 1e-5  # rounding only, after the same updates

@@ -9,6 +9,7 @@ from rlkit.parallel.fsdp import (
     global_sum,
     load_full_state_dict,
     set_gradient_reduction,
+    set_gradient_sync,
     shard_model,
     unsharded,
 )
@@ -40,7 +41,7 @@ __all__ = [
     "World", "barrier", "device_mesh", "in_mesh", "init_distributed", "mesh_ranks", "role_mesh", "shutdown",
     "split_ranks", "world",
     "decoder_layers", "full_state_dict", "global_sum", "load_full_state_dict", "set_gradient_reduction",
-    "shard_model", "unsharded",
+    "set_gradient_sync", "shard_model", "unsharded",
     "Layout", "SyncReport", "gather_weights", "replicated", "split", "tensor_parallel", "tp_style",
     "ROLES", "Placement", "colocated_placement", "gather_rows", "local_placement", "shard_reward", "shard_rows",
     "split_placement",

@@ -170,6 +170,39 @@ def set_gradient_reduction(model: nn.Module, mode: Literal["mean", "sum"]) -> No
                 force_sum(False)
 
 
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Whether the backward of ``model``'s FSDP units reduce-scatters their gradients (FSDP2's
+    ``set_requires_gradient_sync`` on every unit; a no-op for a module that is not sharded).
+
+    Off, each backward adds to unsharded gradients the rank keeps (gradient accumulation without
+    communication); the next backward with it on reduce-scatters the sum."""
+    for unit in fsdp_modules(model):
+        unit.set_requires_gradient_sync(enabled, recurse=False)
+
+
+def discard_unreduced_gradients(model: nn.Module) -> int:
+    """Drop the unsharded gradients that backwards with gradient sync off left in ``model``'s FSDP
+    units, and turn gradient sync back on; returns how many tensors were dropped.
+
+    For an update that fails between micro-batches: FSDP2 would otherwise add those gradients
+    into the next reduce-scatter, i.e. into the next update. Reads FSDP2's per-parameter state
+    (``FSDPParam``), which has no public API for this."""
+    dropped = 0
+    for unit in fsdp_modules(model):
+        unit.set_requires_gradient_sync(True, recurse=False)
+        state = unit._get_fsdp_state()
+        for group in getattr(state, "_fsdp_param_groups", ()):
+            for fsdp_param in group.fsdp_params:
+                if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+                    fsdp_param.unsharded_accumulated_grad = None
+                    dropped += 1
+                inner = getattr(fsdp_param, "_unsharded_param", None)
+                if inner is not None and inner.grad is not None:
+                    inner.grad = None
+                    dropped += 1
+    return dropped
+
+
 def _shard_group_size(unit: nn.Module) -> int:
     for param in unit.parameters():
         mesh = getattr(param, "device_mesh", None)

@@ -221,94 +221,110 @@ def update(
     streak = int(state.extras.get("nonfinite_streak", 0))
     gap_abs = gap_max = None
     steps_done = 0
-    for epoch in range(epochs):
-        order = torch.randperm(b, generator=state.rng("shuffle", epoch, device="cpu")) if shuffle else None
-        for m0 in range(0, b, mini):
-            # unshuffled: a slice (views), not an index (a copy of every field)
-            mini_batch = batch[order[m0 : m0 + mini]] if order is not None else batch[m0 : m0 + mini]
-            mask_all = mini_batch["response_mask"]
-            # rows without any valid token do not count as sequences (verl's seq-mean-* default);
-            # both counts in one collective (whole numbers: float32 sums them exactly)
-            counts = torch.stack([mask_all.sum(), (mask_all.sum(-1) > 0).sum()]).to(torch.float32)
-            num_tokens, num_seqs = _global_sum(to_device(counts, device), state).unbind()
-            optimizer.zero_grad(set_to_none=True)
-            if train_critic:
-                state.critic_optimizer.zero_grad(set_to_none=True)
-            for u0 in range(0, mini, micro):
-                with torch.profiler.record_function("rlkit.update.micro_batch"):  # names the range in a profiler trace
-                    rows = mini_batch[u0 : u0 + micro]
-                    # the layout from the masks where the batch lives (the CPU: no device sync), and
-                    # every field copied without waiting, so the host runs ahead of the GPU
-                    view = rows_view(actor_module, rows, device)
-                    mb = {k: to_device(v, device) for k, v in rows.items()}
-                    mask = mb["response_mask"]
-                    frac = mask.sum().double() / num_tokens.double().clamp(min=1.0)
-                    norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
-                    logprobs, entropy = response_logprobs(
-                        actor_module, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask,
-                        temperature=temperature, with_entropy=True, view=view,
-                    )
-                    extra = {"generator": state.rng("loss", epoch, m0, u0, device=device)} if wants_generator else {}
-                    # a user's loss receives only the normalisers it declares
-                    call_kw = {**agg_kw, **norm}
-                    if loss_accepts is not None:
-                        call_kw = {k: v for k, v in call_kw.items() if k in loss_accepts}
-                    old_lp = logprobs.detach() if old == "current" else mb[old_key]
-                    pg_loss, pg_metrics = loss_fn(logprobs, old_lp, mb["advantages"], mask, **call_kw, **loss_kw, **extra)
-                    total = pg_loss
-                    record("actor/pg_loss", pg_loss, 1.0)
-                    for k, v in pg_metrics.items():
-                        record(f"actor/{k}", v, frac)
-                    ent = aggregate(entropy, mask, term_agg, **norm)
-                    record("actor/entropy", ent, 1.0)
-                    if entropy_coef:
-                        total = total - entropy_coef * ent
-                    if kl_coef:
-                        kl_mat = kl_penalty(logprobs, mb["ref_logprobs"], kl_mode)
-                        kl_loss = aggregate(kl_mat, mask, term_agg, **norm)
-                        total = total + kl_coef * kl_loss
-                        record("actor/kl_loss", kl_loss, 1.0)
-                    if "logprobs" in keys and epoch == 0 and m0 == 0:
-                        # the silent bug of every peer: train-vs-rollout numerics; measured before any step
-                        diff = (logprobs.detach() - mb["logprobs"]).abs().masked_fill(~mask, 0.0)
-                        gap_abs = diff.sum().double() + (0.0 if gap_abs is None else gap_abs)
-                        gap_max = diff.max().double() if gap_max is None else torch.maximum(gap_max, diff.max().double())
-                    (total * grad_scale).backward()
-                    if train_critic:
-                        values = values_for_response(critic_module, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask,
-                                                     view=rows_view(critic_module, rows, device))
-                        vf_loss, vf_metrics = value_loss(values, mb["values"], mb["returns"], mask, cliprange_value=value_clip, agg=term_agg, **norm)
-                        (critic_coef * vf_loss * grad_scale).backward()
-                        record("critic/vf_loss", vf_loss, 1.0)
-                        for k, v in vf_metrics.items():
-                            record(f"critic/{k}", v, frac)
-            with torch.profiler.record_function("rlkit.update.optimizer"):
-                grad_norm = _clip(actor, max_grad_norm)
-                record("actor/grad_norm", grad_norm)
-                finite = bool(torch.isfinite(torch.as_tensor(grad_norm)) & torch.isfinite(torch.as_tensor(sums.get("actor/pg_loss", 0.0))))
-                if finite:
-                    optimizer.step()
-                    state.scheduler.step()
-                    streak = 0
-                    steps_done += 1
-                else:
-                    optimizer.zero_grad(set_to_none=True)
-                    skipped += 1
-                    streak += 1
-                    warnings.warn(f"rlkit.update: non-finite loss or gradient at step {state.step} (mini-batch {m0 // mini}); optimizer step skipped ({streak} in a row)", RuntimeWarning, stacklevel=2)
-                    if streak >= max_nonfinite_steps:
-                        raise NonFiniteError(
-                            f"{streak} consecutive updates had a non-finite loss or gradient (last at step {state.step}); "
-                            "lower the learning rate, check rewards/advantages for extreme values, or enable gradient clipping"
-                        )
-            if train_critic:
-                c_norm = _clip(state.critic, max_grad_norm)
-                record("critic/grad_norm", c_norm)
-                if bool(torch.isfinite(torch.as_tensor(c_norm))):
-                    state.critic_optimizer.step()
-                    state.critic_scheduler.step()
-                else:
+    # Pipeline.lower(grad_reduce="step"): FSDP2 reduce-scatters once per optimizer step, in the
+    # last micro-batch's backward, instead of in every micro-batch's
+    trained = [actor_module] + ([critic_module] if train_critic else [])
+    defer_sync = dp is not None and mini > micro and state._cache.get("grad_reduce", "micro_batch") == "step"
+    if defer_sync:
+        from rlkit.parallel.fsdp import discard_unreduced_gradients, set_gradient_sync
+    try:
+        for epoch in range(epochs):
+            order = torch.randperm(b, generator=state.rng("shuffle", epoch, device="cpu")) if shuffle else None
+            for m0 in range(0, b, mini):
+                # unshuffled: a slice (views), not an index (a copy of every field)
+                mini_batch = batch[order[m0 : m0 + mini]] if order is not None else batch[m0 : m0 + mini]
+                mask_all = mini_batch["response_mask"]
+                # rows without any valid token do not count as sequences (verl's seq-mean-* default);
+                # both counts in one collective (whole numbers: float32 sums them exactly)
+                counts = torch.stack([mask_all.sum(), (mask_all.sum(-1) > 0).sum()]).to(torch.float32)
+                num_tokens, num_seqs = _global_sum(to_device(counts, device), state).unbind()
+                optimizer.zero_grad(set_to_none=True)
+                if train_critic:
                     state.critic_optimizer.zero_grad(set_to_none=True)
+                for u0 in range(0, mini, micro):
+                    with torch.profiler.record_function("rlkit.update.micro_batch"):  # names the range in a profiler trace
+                        if defer_sync:
+                            for module in trained:
+                                set_gradient_sync(module, u0 + micro >= mini)
+                        rows = mini_batch[u0 : u0 + micro]
+                        # the layout from the masks where the batch lives (the CPU: no device sync), and
+                        # every field copied without waiting, so the host runs ahead of the GPU
+                        view = rows_view(actor_module, rows, device)
+                        mb = {k: to_device(v, device) for k, v in rows.items()}
+                        mask = mb["response_mask"]
+                        frac = mask.sum().double() / num_tokens.double().clamp(min=1.0)
+                        norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
+                        logprobs, entropy = response_logprobs(
+                            actor_module, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask,
+                            temperature=temperature, with_entropy=True, view=view,
+                        )
+                        extra = {"generator": state.rng("loss", epoch, m0, u0, device=device)} if wants_generator else {}
+                        # a user's loss receives only the normalisers it declares
+                        call_kw = {**agg_kw, **norm}
+                        if loss_accepts is not None:
+                            call_kw = {k: v for k, v in call_kw.items() if k in loss_accepts}
+                        old_lp = logprobs.detach() if old == "current" else mb[old_key]
+                        pg_loss, pg_metrics = loss_fn(logprobs, old_lp, mb["advantages"], mask, **call_kw, **loss_kw, **extra)
+                        total = pg_loss
+                        record("actor/pg_loss", pg_loss, 1.0)
+                        for k, v in pg_metrics.items():
+                            record(f"actor/{k}", v, frac)
+                        ent = aggregate(entropy, mask, term_agg, **norm)
+                        record("actor/entropy", ent, 1.0)
+                        if entropy_coef:
+                            total = total - entropy_coef * ent
+                        if kl_coef:
+                            kl_mat = kl_penalty(logprobs, mb["ref_logprobs"], kl_mode)
+                            kl_loss = aggregate(kl_mat, mask, term_agg, **norm)
+                            total = total + kl_coef * kl_loss
+                            record("actor/kl_loss", kl_loss, 1.0)
+                        if "logprobs" in keys and epoch == 0 and m0 == 0:
+                            # the silent bug of every peer: train-vs-rollout numerics; measured before any step
+                            diff = (logprobs.detach() - mb["logprobs"]).abs().masked_fill(~mask, 0.0)
+                            gap_abs = diff.sum().double() + (0.0 if gap_abs is None else gap_abs)
+                            gap_max = diff.max().double() if gap_max is None else torch.maximum(gap_max, diff.max().double())
+                        (total * grad_scale).backward()
+                        if train_critic:
+                            values = values_for_response(critic_module, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask,
+                                                         view=rows_view(critic_module, rows, device))
+                            vf_loss, vf_metrics = value_loss(values, mb["values"], mb["returns"], mask, cliprange_value=value_clip, agg=term_agg, **norm)
+                            (critic_coef * vf_loss * grad_scale).backward()
+                            record("critic/vf_loss", vf_loss, 1.0)
+                            for k, v in vf_metrics.items():
+                                record(f"critic/{k}", v, frac)
+                with torch.profiler.record_function("rlkit.update.optimizer"):
+                    grad_norm = _clip(actor, max_grad_norm)
+                    record("actor/grad_norm", grad_norm)
+                    finite = bool(torch.isfinite(torch.as_tensor(grad_norm)) & torch.isfinite(torch.as_tensor(sums.get("actor/pg_loss", 0.0))))
+                    if finite:
+                        optimizer.step()
+                        state.scheduler.step()
+                        streak = 0
+                        steps_done += 1
+                    else:
+                        optimizer.zero_grad(set_to_none=True)
+                        skipped += 1
+                        streak += 1
+                        warnings.warn(f"rlkit.update: non-finite loss or gradient at step {state.step} (mini-batch {m0 // mini}); optimizer step skipped ({streak} in a row)", RuntimeWarning, stacklevel=2)
+                        if streak >= max_nonfinite_steps:
+                            raise NonFiniteError(
+                                f"{streak} consecutive updates had a non-finite loss or gradient (last at step {state.step}); "
+                                "lower the learning rate, check rewards/advantages for extreme values, or enable gradient clipping"
+                            )
+                if train_critic:
+                    c_norm = _clip(state.critic, max_grad_norm)
+                    record("critic/grad_norm", c_norm)
+                    if bool(torch.isfinite(torch.as_tensor(c_norm))):
+                        state.critic_optimizer.step()
+                        state.critic_scheduler.step()
+                    else:
+                        state.critic_optimizer.zero_grad(set_to_none=True)
+    finally:
+        if defer_sync:
+            for module in trained:
+                # after a complete update nothing is left (the last backward reduced it); after a
+                # failure between micro-batches this keeps their gradients out of the next update
+                discard_unreduced_gradients(module)
 
     n_steps = epochs * (b // mini)
     # one device-to-host transfer for every metric

@@ -1,0 +1,128 @@
+"""``Pipeline.lower(grad_reduce="step")``: one gradient reduce-scatter per optimizer step.
+
+Two gloo processes, four micro-batches per rank. Checked against one process and against the
+default (``"micro_batch"``): the same parameters after the update, the same metrics, a quarter of
+the reduce-scatters; and an update that fails between micro-batches leaves no gradient behind for
+the next one.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rlkit as rk
+
+pytestmark = pytest.mark.distributed
+
+
+def _setup():
+    from rlkit.batch import make_batch
+
+    task = rk.tasks.arithmetic(n_train=64, n_test=8)
+    model = rk.models.tiny(task.tokenizer, seed=0, hidden_size=64, intermediate_size=128,
+                           num_attention_heads=2, num_key_value_heads=1)
+    g = torch.Generator().manual_seed(5)
+    prompts = [task.train.ids[i] for i in range(2) for _ in range(4)]
+    responses = [torch.randint(4, 19, (int(k),), generator=g).tolist() for k in [1, 5, 3, 6, 2, 2, 4, 1]]
+    batch = make_batch(prompts, responses, group=[0] * 4 + [1] * 4, rewards=[1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    batch.set("logprobs", -torch.rand(batch["response_mask"].shape, generator=g) * batch["response_mask"])
+    batch = rk.advantage(batch, "grpo")
+    # eps=1: Adam's first step ~ lr * g, so the comparison measures gradients, not float-noise signs
+    state = rk.init(model, rk.optim.adamw(lr=1e-2, eps=1.0, weight_decay=0.0), tokenizer=task.tokenizer)
+    return task, state, batch
+
+
+class _FailOnce:
+    """ppo_clip, except that its ``fail_at``-th call raises (a failure between micro-batches)."""
+
+    def __init__(self, fail_at: int | None):
+        self.calls, self.fail_at = 0, fail_at
+
+    def __call__(self, logprobs, old_logprobs, advantages, mask, **kw):
+        from rlkit.algos.losses import ppo_clip
+
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected failure")
+        return ppo_clip(logprobs, old_logprobs, advantages, mask, **kw)
+
+
+def _count_reduce_scatters():
+    """Wrap torch.distributed's reduce-scatter entry points (FSDP2 calls them through the module)."""
+    import torch.distributed as dist
+
+    calls = []
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+        real = getattr(dist, name, None)
+        if real is not None:
+            setattr(dist, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    return calls
+
+
+def _worker(grad_reduce: str, fail_first: bool):
+    from rlkit.parallel import full_state_dict, init_distributed, shutdown
+
+    init_distributed("gloo")
+    try:
+        task, state, batch = _setup()
+        calls = _count_reduce_scatters()
+        plan = rk.Pipeline(rk.recipes.get("grpo"), reward=task.reward).lower(grad_reduce=grad_reduce)
+        state = plan.shard(state)
+        failed = None
+        if fail_first:
+            # the second micro-batch's loss raises: the first one's gradients are unreduced then
+            try:
+                rk.update(state, batch, loss=_FailOnce(2), micro_batch_size=1, max_logprob_gap=None)
+            except RuntimeError as exc:
+                failed = str(exc)
+        n_before = len(calls)
+        state, metrics = rk.update(state, batch, loss=_FailOnce(None), micro_batch_size=1, max_logprob_gap=None)
+        actor = full_state_dict(state._cache["actor_module"])
+        return {"actor": actor, "metrics": metrics, "reduce_scatters": len(calls) - n_before, "failed": failed}
+    finally:
+        shutdown()
+
+
+@pytest.fixture(scope="module")
+def single():
+    _, state, batch = _setup()
+    state, metrics = rk.update(state, batch, loss=_FailOnce(None), micro_batch_size=1, max_logprob_gap=None)
+    return {k: v.clone() for k, v in state.actor.state_dict().items()}, metrics
+
+
+def _check(results, single):
+    ref, metrics = single
+    # the full state dict is gathered to rank 0 only
+    got = {k[len("model."):]: v for k, v in results[0]["actor"].items() if k.startswith("model.")}
+    assert got, results[0]["actor"].keys()
+    for name, value in ref.items():
+        torch.testing.assert_close(got[name], value, atol=2e-6, rtol=1e-5, msg=name)
+    for result in results:
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+            assert result["metrics"][key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_step_reduces_once_per_step_and_equals_one_process(single):
+    from rlkit.parallel.local import run_local
+
+    every = run_local(_worker, 2, "micro_batch", False, timeout=240)
+    once = run_local(_worker, 2, "step", False, timeout=240)
+    _check(every, single)
+    _check(once, single)
+    # 4 micro-batches a rank: FSDP's units (2 blocks and the root) reduce 4 times each, or once
+    n_every, n_once = every[0]["reduce_scatters"], once[0]["reduce_scatters"]
+    assert n_every > 0 and n_every == 4 * n_once, (n_every, n_once)
+
+
+def test_failed_update_leaves_no_unreduced_gradient(single):
+    from rlkit.parallel.local import run_local
+
+    results = run_local(_worker, 2, "step", True, timeout=240)
+    assert all(r["failed"] == "injected failure" for r in results)
+    # had the first micro-batch's unreduced gradient survived, FSDP would add it into this update's
+    _check(results, single)
+
+
+def test_grad_reduce_is_checked():
+    with pytest.raises(ValueError, match="grad_reduce must be one of 'micro_batch', 'step'"):
+        rk.Pipeline(rk.recipes.get("grpo"), reward=lambda **_: [0.0]).lower(grad_reduce="epoch")
