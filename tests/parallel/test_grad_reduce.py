@@ -59,14 +59,14 @@ def _count_reduce_scatters():
     return calls
 
 
-def _worker(grad_reduce: str, fail_first: bool):
+def _worker(grad_reduce: str, fail_first: bool, mixed_precision: bool = False):
     from rlkit.parallel import full_state_dict, init_distributed, shutdown
 
     init_distributed("gloo")
     try:
         task, state, batch = _setup()
         calls = _count_reduce_scatters()
-        plan = rk.Pipeline(rk.recipes.get("grpo"), reward=task.reward).lower(grad_reduce=grad_reduce)
+        plan = rk.Pipeline(rk.recipes.get("grpo"), reward=task.reward).lower(grad_reduce=grad_reduce, mixed_precision=mixed_precision)
         state = plan.shard(state)
         failed = None
         if fail_first:
@@ -121,6 +121,23 @@ def test_failed_update_leaves_no_unreduced_gradient(single):
     assert all(r["failed"] == "injected failure" for r in results)
     # had the first micro-batch's unreduced gradient survived, FSDP would add it into this update's
     _check(results, single)
+
+
+def test_mixed_precision_accumulates_in_float32_and_drops_it_on_failure():
+    """bf16 compute, float32 reduction: FSDP2 accumulates the unreduced gradients in a float32
+    copy of its own (``unsharded_accumulated_grad``), the path a GPU run takes."""
+    from rlkit.parallel.local import run_local
+
+    every = run_local(_worker, 2, "micro_batch", False, True, timeout=240)
+    clean = run_local(_worker, 2, "step", False, True, timeout=240)
+    failed = run_local(_worker, 2, "step", True, True, timeout=240)
+    assert all(r["failed"] == "injected failure" for r in failed)
+    assert clean[0]["reduce_scatters"] * 4 == every[0]["reduce_scatters"] > 0
+    for name, value in clean[0]["actor"].items():
+        # the retried update computes exactly what a clean one does
+        torch.testing.assert_close(failed[0]["actor"][name], value, atol=0, rtol=0, msg=name)
+        # the same update as reducing every micro-batch, up to bf16 rounding
+        torch.testing.assert_close(every[0]["actor"][name], value, atol=1e-4, rtol=1e-3, msg=name)
 
 
 def test_grad_reduce_is_checked():
