@@ -15,7 +15,7 @@ import rlkit as rk
 pytestmark = pytest.mark.distributed
 
 
-def _setup():
+def _setup(with_critic: bool = False):
     from rlkit.batch import make_batch
 
     task = rk.tasks.arithmetic(n_train=64, n_test=8)
@@ -27,8 +27,13 @@ def _setup():
     batch = make_batch(prompts, responses, group=[0] * 4 + [1] * 4, rewards=[1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
     batch.set("logprobs", -torch.rand(batch["response_mask"].shape, generator=g) * batch["response_mask"])
     batch = rk.advantage(batch, "grpo")
+    critic = None
+    if with_critic:  # PPO: the critic's update reduces its gradients the same way
+        critic = rk.models.critic(model)
+        batch.set("values", 0.1 * torch.randn(batch["response_mask"].shape, generator=g) * batch["response_mask"])
+        batch.set("returns", torch.randn(batch["response_mask"].shape, generator=g) * batch["response_mask"])
     # eps=1: Adam's first step ~ lr * g, so the comparison measures gradients, not float-noise signs
-    state = rk.init(model, rk.optim.adamw(lr=1e-2, eps=1.0, weight_decay=0.0), tokenizer=task.tokenizer)
+    state = rk.init(model, rk.optim.adamw(lr=1e-2, eps=1.0, weight_decay=0.0), tokenizer=task.tokenizer, critic=critic)
     return task, state, batch
 
 
@@ -59,12 +64,12 @@ def _count_reduce_scatters():
     return calls
 
 
-def _worker(grad_reduce: str, fail_first: bool, mixed_precision: bool = False):
+def _worker(grad_reduce: str, fail_first: bool, mixed_precision: bool = False, with_critic: bool = False):
     from rlkit.parallel import full_state_dict, init_distributed, shutdown
 
     init_distributed("gloo")
     try:
-        task, state, batch = _setup()
+        task, state, batch = _setup(with_critic)
         calls = _count_reduce_scatters()
         plan = rk.Pipeline(rk.recipes.get("grpo"), reward=task.reward).lower(grad_reduce=grad_reduce, mixed_precision=mixed_precision)
         state = plan.shard(state)
@@ -77,8 +82,10 @@ def _worker(grad_reduce: str, fail_first: bool, mixed_precision: bool = False):
                 failed = str(exc)
         n_before = len(calls)
         state, metrics = rk.update(state, batch, loss=_FailOnce(None), micro_batch_size=1, max_logprob_gap=None)
+        n_calls = len(calls) - n_before
         actor = full_state_dict(state._cache["actor_module"])
-        return {"actor": actor, "metrics": metrics, "reduce_scatters": len(calls) - n_before, "failed": failed}
+        critic = full_state_dict(state._cache["critic_module"]) if with_critic else None
+        return {"actor": actor, "critic": critic, "metrics": metrics, "reduce_scatters": n_calls, "failed": failed}
     finally:
         shutdown()
 
@@ -121,6 +128,24 @@ def test_failed_update_leaves_no_unreduced_gradient(single):
     assert all(r["failed"] == "injected failure" for r in results)
     # had the first micro-batch's unreduced gradient survived, FSDP would add it into this update's
     _check(results, single)
+
+
+def test_ppo_critic_reduces_once_per_step_too():
+    from rlkit.parallel.local import run_local
+
+    _, state, batch = _setup(with_critic=True)
+    state, metrics = rk.update(state, batch, loss=_FailOnce(None), micro_batch_size=1, max_logprob_gap=None)
+    results = run_local(_worker, 2, "step", False, False, True, timeout=240)
+    _check(results, ({k: v.clone() for k, v in state.actor.state_dict().items()}, metrics))
+    got = {k[len("critic."):]: v for k, v in results[0]["critic"].items() if k.startswith("critic.")} or \
+        {k[len("model."):]: v for k, v in results[0]["critic"].items() if k.startswith("model.")}
+    assert got, results[0]["critic"].keys()
+    for name, value in state.critic.state_dict().items():
+        torch.testing.assert_close(got[name], value, atol=2e-6, rtol=1e-5, msg=name)
+    for r in results:
+        assert r["metrics"]["critic/vf_loss"] == pytest.approx(metrics["critic/vf_loss"], rel=1e-5)
+    # once per FSDP unit of each trained model: the actor's 3 and the critic's 3
+    assert results[0]["reduce_scatters"] == 6
 
 
 def test_mixed_precision_accumulates_in_float32_and_drops_it_on_failure():
