@@ -11,6 +11,9 @@ one step) and each mini-batch into ``micro_batch_size`` rows per forward/backwar
 accumulation). Every aggregation uses the *mini-batch's* token and sequence counts as
 normalisers, so micro-batching never changes the gradient (tested). Under data parallelism the
 counts are summed over the data-parallel group, so N processes compute the same update as one.
+FSDP2 reduce-scatters the gradients after every micro-batch's backward, or only after the last
+of each mini-batch when the plan was lowered with ``grad_reduce="step"``
+(:meth:`rlkit.Pipeline.lower`).
 
 ``update`` donates its input state: parameters and optimizer moments change in place and the old
 handle raises :class:`rlkit.state.DonatedStateError` if used again.
