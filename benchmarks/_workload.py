@@ -104,6 +104,17 @@ def reward(completions, **kwargs) -> list[float]:
     return [float(sum(ord(c) for c in text) % 7) / 6.0 for text in completions]
 
 
+def emit_result(result: dict, path: str | None = None) -> None:
+    """Print the benchmarks' one ``RESULT_JSON {...}`` line and, with ``path``, write the same JSON there."""
+    import json
+
+    line = json.dumps(result, default=float)
+    print("RESULT_JSON " + line, flush=True)
+    if path:
+        with open(path, "w") as f:
+            f.write(line + "\n")
+
+
 def param_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

@@ -14,7 +14,6 @@ after all updates (float rounding only: the reductions add in another order). On
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -106,6 +105,8 @@ def _worker(preset, rows, micro, repeats, threads):
 
 
 def main(argv=None) -> dict:
+    from _workload import emit_result
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="cpu", choices=("cpu", "qwen2.5-0.5b"))
     ap.add_argument("--rows", type=int, default=32, help="rows a rank per update")
@@ -133,11 +134,7 @@ def main(argv=None) -> dict:
         print(f"{mode:<12} {m['update_ms_median']:>10.1f} {m['reduce_scatters_per_update']:>16} {m.get('peak_gb', float('nan')):>8.2f}")
     print(f"step / micro_batch (paired median): {res['ratio_step_to_micro_batch']:.3f}; "
           f"largest parameter difference {res['max_param_diff']:.2e}")
-    line = json.dumps(res)
-    print("RESULT_JSON " + line, flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(line + "\n")
+    emit_result(res, args.json)
     return res
 
 

@@ -34,7 +34,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _workload import PRESETS, Clock, Workload, build, grpo_phases, param_count, reward  # noqa: E402
+from _workload import PRESETS, Clock, Workload, build, emit_result, grpo_phases, param_count, reward  # noqa: E402
 from _workload import sync as _sync  # noqa: E402
 
 
@@ -685,11 +685,7 @@ def main(argv=None) -> dict:
     print_table(result, trl)
     if rounds_state is not None:
         result["rounds"] = run_rounds(args, *rounds_state, device)
-    line = json.dumps(result, default=float)
-    print("RESULT_JSON " + line, flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(line + "\n")
+    emit_result(result, args.json)
     return result
 
 
