@@ -34,16 +34,28 @@ def _entry(local_rank: int, fn: Callable, args: tuple, env: dict[str, str], out_
         pickle.dump(result, f)
 
 
-def run_local(fn: Callable, nprocs: int, *args: Any, timeout: float = 120.0, threads: int = 1) -> list[Any]:
+def run_local(fn: Callable, nprocs: int, *args: Any, timeout: float = 120.0, threads: int = 1,
+              device: str | None = None) -> list[Any]:
     """``[fn(*args) on rank 0, ..., on rank nprocs-1]``, each in its own spawned process.
 
     ``timeout``: seconds for the whole run; past it the workers are killed and ``TimeoutError``
     is raised (a hung collective fails the test instead of blocking it). ``threads``: torch
-    intra-op threads per worker. A worker exception is re-raised here with its traceback.
-    Workers should tear their process group down with :func:`rlkit.parallel.mesh.shutdown`.
+    intra-op threads per worker. ``device``: ``"cpu"`` runs the workers on the CPU over gloo
+    (``RLKIT_DEVICE=cpu``), ``"cuda"`` one GPU each; ``None`` picks the CPU when there are fewer
+    GPUs than workers (NCCL allows one process per GPU). A worker exception is re-raised here
+    with its traceback. Workers should tear their process group down with
+    :func:`rlkit.parallel.mesh.shutdown`.
     """
+    import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
+
+    from rlkit.parallel.mesh import DEVICE_ENV
+
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"run_local: device must be None, 'cpu' or 'cuda', got {device!r}")
+    if device is None:
+        device = "cpu" if nprocs > torch.cuda.device_count() else "cuda"
 
     store = dist.TCPStore("127.0.0.1", 0, world_size=nprocs, is_master=True, wait_for_workers=False)
     env = {
@@ -55,6 +67,8 @@ def run_local(fn: Callable, nprocs: int, *args: Any, timeout: float = 120.0, thr
         # join the store created above as clients instead of racing to bind a port
         "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
+    if device == "cpu":
+        env[DEVICE_ENV] = "cpu"
     out_dir = tempfile.mkdtemp(prefix="rlkit_local_")
     try:
         context = mp.start_processes(

@@ -6,6 +6,12 @@
 process. The code is device agnostic: NCCL for CUDA tensors (plus gloo for CPU tensors, which
 CPU offload and object collectives need), gloo alone on CPU-only machines.
 
+One GPU per process: NCCL refuses two ranks on one GPU, so :func:`init_distributed` stops with an
+error naming the fix when a node runs more processes than it has GPUs. To run several processes
+on the CPU of a GPU machine (tests, a quick experiment), pass ``backend="gloo"`` or set
+``RLKIT_DEVICE=cpu``: either makes :func:`default_device` the CPU. :func:`rlkit.parallel.local.run_local`
+sets ``RLKIT_DEVICE=cpu`` by itself when it starts more processes than there are GPUs.
+
 Role groups (HybridFlow's "placement"): ``split_ranks({"actor": 2, "rollout": 2})`` gives
 ``{"actor": [0, 1], "rollout": [2, 3]}`` and ``role_mesh(ranks)`` a DeviceMesh over a subset of
 ranks. Creating a sub-mesh is collective: every rank of the world must call it, in the same
@@ -63,16 +69,44 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer; unset it or fix the launcher") from None
 
 
+#: environment variable: ``cpu`` makes every process compute on the CPU over gloo, GPUs or not
+DEVICE_ENV = "RLKIT_DEVICE"
+
+
+def _cpu_requested() -> bool:
+    value = os.environ.get(DEVICE_ENV, "").strip().lower()
+    if value not in ("", "cpu", "auto"):
+        raise ValueError(f"{DEVICE_ENV}={value!r}: use 'cpu' (compute on the CPU over gloo) or leave it unset")
+    return value == "cpu"
+
+
+def _gloo_only() -> bool:
+    """True when the default process group is initialised without NCCL (CPU tensors only)."""
+    return dist.is_available() and dist.is_initialized() and "nccl" not in str(dist.get_backend())
+
+
 def default_backend() -> str:
-    """``"cpu:gloo,cuda:nccl"`` when CUDA is available (CPU tensors still work), else ``"gloo"``."""
-    if torch.cuda.is_available():
+    """``"cpu:gloo,cuda:nccl"`` when CUDA is available (CPU tensors still work), else ``"gloo"``
+    (also with ``RLKIT_DEVICE=cpu``)."""
+    if torch.cuda.is_available() and not _cpu_requested():
         return "cpu:gloo,cuda:nccl"
     return "gloo"
 
 
+def check_gpus_per_process(local_world_size: int, gpus: int) -> None:
+    """Raise when ``local_world_size`` processes of a node would share its ``gpus`` GPUs under NCCL."""
+    if local_world_size > gpus:
+        raise RuntimeError(
+            f"{local_world_size} processes on this node but {gpus} visible CUDA device(s): NCCL needs one GPU per "
+            f"process (LOCAL_WORLD_SIZE={local_world_size}). Start at most {gpus} process(es) per node "
+            "(nproc_per_node), or run on the CPU with init_distributed('gloo') or RLKIT_DEVICE=cpu"
+        )
+
+
 def default_device() -> torch.device:
-    """The device this process should compute on: its local GPU, else the CPU."""
-    if torch.cuda.is_available():
+    """The device this process should compute on: its local GPU, else the CPU. The CPU too with
+    ``RLKIT_DEVICE=cpu`` or when the process group was initialised with gloo alone."""
+    if torch.cuda.is_available() and not _cpu_requested() and not _gloo_only():
         return torch.device("cuda", _env_int("LOCAL_RANK", 0) % max(torch.cuda.device_count(), 1))
     return torch.device("cpu")
 
@@ -83,8 +117,9 @@ def init_distributed(backend: str | None = None, *, timeout: timedelta | float |
     Idempotent: calling it again (or after someone else initialised the default group) just
     returns :func:`world`. Sets the current CUDA device to ``LOCAL_RANK`` on GPU machines.
 
-    ``backend``: ``None`` picks :func:`default_backend`. ``timeout``: seconds or a timedelta for
-    collectives (torch's default otherwise).
+    ``backend``: ``None`` picks :func:`default_backend`; ``"gloo"`` alone computes on the CPU
+    even on a GPU machine. With NCCL, more processes on this node than GPUs is an error naming
+    the fix. ``timeout``: seconds or a timedelta for collectives (torch's default otherwise).
     """
     if dist.is_available() and dist.is_initialized():
         return world()
@@ -97,9 +132,12 @@ def init_distributed(backend: str | None = None, *, timeout: timedelta | float |
                 f"WORLD_SIZE={world_size} but environment variable {name} is not set; start the job with "
                 "rlkit.launch, `rlkit launch` or torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
             )
-    device = default_device()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    backend = backend or default_backend()
+    if "nccl" in backend:
+        check_gpus_per_process(_env_int("LOCAL_WORLD_SIZE", 1), torch.cuda.device_count())
+        device = default_device()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     kwargs = {"timeout": timeout} if timeout is not None else {}
@@ -108,7 +146,7 @@ def init_distributed(backend: str | None = None, *, timeout: timedelta | float |
     # enough), gloo's eager full-mesh connect fails with "Connection refused" and the restart is
     # lost. Connecting lazily, at the first collective, makes elastic restarts reliable.
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
-    dist.init_process_group(backend=backend or default_backend(), **kwargs)
+    dist.init_process_group(backend=backend, **kwargs)
     return world()
 
 

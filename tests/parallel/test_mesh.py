@@ -28,6 +28,64 @@ def test_init_distributed_names_the_missing_variable(monkeypatch):
         M.init_distributed()
 
 
+def _pretend_gpus(monkeypatch, n: int):
+    """This process sees ``n`` CUDA devices (only torch's queries are replaced: nothing runs on them)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+def test_more_processes_than_gpus_is_a_clear_error_before_nccl(monkeypatch):
+    _pretend_gpus(monkeypatch, 1)
+    monkeypatch.delenv(M.DEVICE_ENV, raising=False)
+    for name, value in dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT="29999").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(M.dist, "init_process_group", lambda *a, **k: pytest.fail("reached NCCL"))
+    with pytest.raises(RuntimeError, match=r"2 processes on this node but 1 visible CUDA device\(s\).*RLKIT_DEVICE=cpu"):
+        M.init_distributed()
+    M.check_gpus_per_process(2, 2)
+    M.check_gpus_per_process(1, 8)
+    with pytest.raises(RuntimeError, match="0 visible CUDA device"):
+        M.check_gpus_per_process(1, 0)
+
+
+def test_rlkit_device_cpu_keeps_a_gpu_machine_on_the_cpu(monkeypatch):
+    _pretend_gpus(monkeypatch, 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv(M.DEVICE_ENV, raising=False)
+    assert M.default_device() == torch.device("cuda", 1)
+    assert M.default_backend() == "cpu:gloo,cuda:nccl"
+    monkeypatch.setenv(M.DEVICE_ENV, "cpu")
+    assert M.default_device() == torch.device("cpu")
+    assert M.default_backend() == "gloo"
+    monkeypatch.setenv(M.DEVICE_ENV, "gpu")
+    with pytest.raises(ValueError, match="RLKIT_DEVICE='gpu'"):
+        M.default_device()
+
+
+def _device_worker():
+    import os
+
+    from rlkit.parallel import init_distributed, shutdown
+
+    info = init_distributed()
+    try:
+        return os.environ.get(M.DEVICE_ENV), info.device.type, info.backend
+    finally:
+        shutdown()
+
+
+@pytest.mark.distributed
+def test_run_local_puts_more_workers_than_gpus_on_the_cpu():
+    from rlkit.parallel.local import run_local
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("with 2 GPUs each worker takes one")
+    assert run_local(_device_worker, 2, timeout=120) == [("cpu", "cpu", "gloo")] * 2
+    with pytest.raises(ValueError, match="device must be None, 'cpu' or 'cuda'"):
+        run_local(_device_worker, 2, device="tpu")
+
+
 def test_split_ranks():
     assert M.split_ranks({"actor": 2, "rollout": 2}, world_size=4) == {"actor": [0, 1], "rollout": [2, 3]}
     assert M.split_ranks({"actor": 1, "rollout": -1}, world_size=4) == {"actor": [0], "rollout": [1, 2, 3]}
