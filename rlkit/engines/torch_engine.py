@@ -118,6 +118,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _additive_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask (True: attend) as the additive one :func:`_small_attention` takes:
+    0 where ``valid``, ``-inf`` elsewhere."""
+    return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
+
+
 def _small_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """``softmax(q k^T * scale + mask) v`` as two matmuls, in float32 at least. On CPU, at one
     query token per row, SDPA's kernels spend several times the arithmetic in per-call set-up
@@ -1010,7 +1016,7 @@ class TorchEngine:
         if not triton_attention:
             # one additive mask per step, shared by every layer (a boolean one is converted per call)
             valid = state.key_valid[:, None, None, :length]  # (b 1 1 L)
-            mask = torch.zeros(valid.shape, dtype=self.dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
+            mask = _additive_mask(valid, self.dtype)
 
         def attention(i, q, k=None, v=None, rotary=False):
             """``q (b H 1 d)``; with ``k, v`` the Triton kernel writes them into the cache itself."""

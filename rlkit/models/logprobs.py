@@ -63,7 +63,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlkit._triton import lazy_kernels
 from rlkit.batch import packed
-from rlkit.engines.torch_engine import _small_attention
+from rlkit.engines.torch_engine import _additive_mask, _small_attention
 
 #: Triton and ``triton.language``, put here by :func:`rlkit._triton.lazy_kernels` when the kernels
 #: are first built (None before that, and on machines without Triton)
@@ -253,7 +253,7 @@ def _math_attention(q, k, v, mask, scaling, groups: int) -> torch.Tensor:
     s, h, lq, d = q.shape
     kvh = k.shape[1]
     scale = d**-0.5 if scaling is None else scaling
-    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    bias = _additive_mask(mask, q.dtype)
     if groups > 1:  # one copy of a row's mask per stacked query head: (s 1 g*Lq Lk)
         bias = bias.repeat(1, 1, groups, 1)
     return _small_attention(q.reshape(s, kvh, groups * lq, d), k, v, bias, scale).view(s, h, lq, d)
