@@ -24,7 +24,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def _count_reduce_scatters() -> list:
+def count_reduce_scatters() -> list:
+    """Wrap torch.distributed's reduce-scatter entry points (FSDP2 calls them through the module);
+    returns the list that gets one entry per call."""
     import torch.distributed as dist
 
     calls: list = []
@@ -46,7 +48,7 @@ def run(preset: str, rows: int, micro: int, repeats: int, threads: int | None) -
         torch.set_num_threads(threads)
     info = init_distributed()
     device = default_device()
-    calls = _count_reduce_scatters()
+    calls = count_reduce_scatters()
     g = torch.Generator().manual_seed(1000 + info.rank)
     states = {}
     for mode in ("micro_batch", "step"):

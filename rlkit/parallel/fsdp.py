@@ -180,14 +180,13 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         unit.set_requires_gradient_sync(enabled, recurse=False)
 
 
-def discard_unreduced_gradients(model: nn.Module) -> int:
+def discard_unreduced_gradients(model: nn.Module) -> None:
     """Drop the unsharded gradients that backwards with gradient sync off left in ``model``'s FSDP
-    units, and turn gradient sync back on; returns how many tensors were dropped.
+    units, and turn gradient sync back on.
 
     For an update that fails between micro-batches: FSDP2 would otherwise add those gradients
     into the next reduce-scatter, i.e. into the next update. Reads FSDP2's per-parameter state
     (``FSDPParam``), which has no public API for this."""
-    dropped = 0
     for unit in fsdp_modules(model):
         unit.set_requires_gradient_sync(True, recurse=False)
         state = unit._get_fsdp_state()
@@ -195,12 +194,9 @@ def discard_unreduced_gradients(model: nn.Module) -> int:
             for fsdp_param in group.fsdp_params:
                 if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
                     fsdp_param.unsharded_accumulated_grad = None
-                    dropped += 1
                 inner = getattr(fsdp_param, "_unsharded_param", None)
-                if inner is not None and inner.grad is not None:
+                if inner is not None:
                     inner.grad = None
-                    dropped += 1
-    return dropped
 
 
 def _shard_group_size(unit: nn.Module) -> int:

@@ -76,7 +76,7 @@ DEVICE_ENV = "RLKIT_DEVICE"
 def _cpu_requested() -> bool:
     value = os.environ.get(DEVICE_ENV, "").strip().lower()
     if value not in ("", "cpu", "auto"):
-        raise ValueError(f"{DEVICE_ENV}={value!r}: use 'cpu' (compute on the CPU over gloo) or leave it unset")
+        raise ValueError(f"{DEVICE_ENV}={value!r}: use 'cpu' (compute on the CPU over gloo), or 'auto' or unset (a GPU per process where there are GPUs)")
     return value == "cpu"
 
 

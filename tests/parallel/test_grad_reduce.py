@@ -7,10 +7,16 @@ the next one.
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
 import rlkit as rk
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+from grad_reduce import count_reduce_scatters  # noqa: E402  (benchmarks/grad_reduce.py)
 
 pytestmark = pytest.mark.distributed
 
@@ -52,25 +58,13 @@ class _FailOnce:
         return ppo_clip(logprobs, old_logprobs, advantages, mask, **kw)
 
 
-def _count_reduce_scatters():
-    """Wrap torch.distributed's reduce-scatter entry points (FSDP2 calls them through the module)."""
-    import torch.distributed as dist
-
-    calls = []
-    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
-        real = getattr(dist, name, None)
-        if real is not None:
-            setattr(dist, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
-    return calls
-
-
 def _worker(grad_reduce: str, fail_first: bool, mixed_precision: bool = False, with_critic: bool = False):
     from rlkit.parallel import full_state_dict, init_distributed, shutdown
 
     init_distributed("gloo")
     try:
         task, state, batch = _setup(with_critic)
-        calls = _count_reduce_scatters()
+        calls = count_reduce_scatters()
         plan = rk.Pipeline(rk.recipes.get("grpo"), reward=task.reward).lower(grad_reduce=grad_reduce, mixed_precision=mixed_precision)
         state = plan.shard(state)
         failed = None
