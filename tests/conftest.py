@@ -19,3 +19,20 @@ def tiny_model(char_tok):
     from rlkit.models import tiny
 
     return tiny(char_tok, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, seed=0)
+
+
+def _child_env(nproc: int = 1) -> dict[str, str]:
+    """Environment for a test's child processes: one intra-op thread each, and, when this machine
+    has fewer GPUs than the ``nproc`` processes the test starts, ``RLKIT_DEVICE=cpu`` so that their
+    workers compute on the CPU over gloo (rlkit allows one GPU per process and stops otherwise;
+    ``rlkit.parallel.mesh.check_gpus_per_process``)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if nproc > (torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        env["RLKIT_DEVICE"] = "cpu"
+    return env
+
+
+@pytest.fixture(scope="session")
+def child_env():
+    """``child_env(nproc)``: the environment for child processes (see ``_child_env``)."""
+    return _child_env

@@ -9,8 +9,8 @@ import pytest
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _rlkit(*args, timeout=300):
-    proc = subprocess.run([sys.executable, "-m", "rlkit.cli", *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+def _rlkit(*args, timeout=300, env=None):
+    proc = subprocess.run([sys.executable, "-m", "rlkit.cli", *args], capture_output=True, text=True, timeout=timeout, env=env or ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -22,9 +22,9 @@ def test_doctor_reports_versions_and_devices():
 
 
 @pytest.mark.distributed
-def test_run_on_two_processes_writes_a_loadable_model(tmp_path):
+def test_run_on_two_processes_writes_a_loadable_model(tmp_path, child_env):
     proc = _rlkit("run", "arithmetic", "--nproc-per-node", "2", "--steps", "3", "--sft-steps", "20", "--eval-every", "3",
-                  "--batch-size", "4", "--n", "4", "--eval-size", "16", "--json", "--quiet", "--out", str(tmp_path))
+                  "--batch-size", "4", "--n", "4", "--eval-size", "16", "--json", "--quiet", "--out", str(tmp_path), env=child_env(2))
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 3 and summary["processes"] == 2
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]

@@ -12,8 +12,8 @@ pytestmark = pytest.mark.distributed
 SCRIPT = Path(__file__).parent / "scripts" / "elastic_job.py"
 
 
-def test_killed_worker_is_restarted_and_the_job_finishes(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def test_killed_worker_is_restarted_and_the_job_finishes(tmp_path, child_env):
+    env = child_env(2)
     cmd = [sys.executable, "-m", "rlkit.cli", "launch", "--nproc-per-node", "2", "--max-restarts", "1",
            str(SCRIPT), str(tmp_path), "6", "3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
@@ -25,22 +25,21 @@ def test_killed_worker_is_restarted_and_the_job_finishes(tmp_path):
     assert lines == [(0, 1), (0, 2), (0, 3), (1, 3), (1, 4), (1, 5), (1, 6)], lines
 
 
-def _launch(out, steps):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _launch(out, steps, env):
     cmd = [sys.executable, "-m", "rlkit.cli", "launch", "--nproc-per-node", "2", str(SCRIPT), str(out), str(steps), "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((Path(out) / "done.json").read_text())
 
 
-def test_two_process_resume_equals_uninterrupted(tmp_path):
+def test_two_process_resume_equals_uninterrupted(tmp_path, child_env):
     """2 processes: 4 steps == 2 steps + a new job resuming from the step-2 checkpoint + 2 steps."""
     import torch
 
     straight, split = tmp_path / "straight", tmp_path / "split"
-    assert _launch(straight, 4)["step"] == 4
-    assert _launch(split, 2)["step"] == 2
-    assert _launch(split, 4) == {"step": 4, "attempt": 0, "resumed_at": 2}
+    assert _launch(straight, 4, child_env(2))["step"] == 4
+    assert _launch(split, 2, child_env(2))["step"] == 2
+    assert _launch(split, 4, child_env(2)) == {"step": 4, "attempt": 0, "resumed_at": 2}
     a, b = torch.load(straight / "final.pt"), torch.load(split / "final.pt")
     assert a.keys() == b.keys() and len(a) > 0
     for name in a:

@@ -82,18 +82,12 @@ WORKER_SCRIPT = textwrap.dedent(
 )
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def test_launch_from_python_returns_rank0_result_streams_metrics_and_raises_worker_traceback(tmp_path):
+def test_launch_from_python_returns_rank0_result_streams_metrics_and_raises_worker_traceback(tmp_path, child_env):
     script = tmp_path / "notebook.py"
     script.write_text(NOTEBOOK)
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, str(script), str(run_dir)], capture_output=True, text=True, timeout=150, env=_env()
+        [sys.executable, str(script), str(run_dir)], capture_output=True, text=True, timeout=150, env=child_env(2)
     )
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -121,7 +115,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_shell_launch_two_nodes_one_rendezvous(tmp_path):
+def test_shell_launch_two_nodes_one_rendezvous(tmp_path, child_env):
     script = tmp_path / "job.py"
     script.write_text(WORKER_SCRIPT)
     port = _free_port()
@@ -129,7 +123,7 @@ def test_shell_launch_two_nodes_one_rendezvous(tmp_path):
         sys.executable, "-m", "rlkit.launch", "--nnodes", "2", "--nproc-per-node", "1",
         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes", str(script), str(tmp_path),
     ]
-    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()) for _ in range(2)]
+    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(2)) for _ in range(2)]
     try:
         outputs = [a.communicate(timeout=150)[0] for a in agents]
     finally:

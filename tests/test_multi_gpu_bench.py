@@ -20,8 +20,7 @@ from _workload import PRESETS  # noqa: E402
 pytestmark = pytest.mark.distributed
 
 
-def _torchrun(nproc: int, out_json, *extra: str) -> tuple[dict, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _torchrun(env: dict, nproc: int, out_json, *extra: str) -> tuple[dict, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), SCRIPT,
            "--preset", "cpu", "--steps", "1", "--warmup", "1", "--json", str(out_json), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, cwd=ROOT)
@@ -31,8 +30,8 @@ def _torchrun(nproc: int, out_json, *extra: str) -> tuple[dict, str]:
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    return _torchrun(2, tmp_path_factory.mktemp("mg") / "two.json", "--scenario", "all")
+def two(tmp_path_factory, child_env):
+    return _torchrun(child_env(2), 2, tmp_path_factory.mktemp("mg") / "two.json", "--scenario", "all")
 
 
 def test_two_processes_every_scenario(two):
@@ -75,8 +74,8 @@ def test_two_processes_every_scenario(two):
     assert tp["float32_check"]["single_device_fast_vs_eager"]["token_agreement"] == 1.0
 
 
-def test_one_process_and_compare(two, tmp_path):
-    one, _ = _torchrun(1, tmp_path / "one.json", "--scenario", "all")
+def test_one_process_and_compare(two, tmp_path, child_env):
+    one, _ = _torchrun(child_env(1), 1, tmp_path / "one.json", "--scenario", "all")
     assert one["world_size"] == 1 and "error" not in one["colocated"]
     assert "skipped" in one["split"] and "skipped" in one["tp"]
     out = multi_gpu.compare(str(tmp_path / "one.json"), _write(tmp_path / "two.json", two[0]))
@@ -102,9 +101,9 @@ def _write(path, obj) -> str:
     return str(path)
 
 
-def test_weak_scaling_doubles_the_global_batch_and_compares_throughput(two, tmp_path):
+def test_weak_scaling_doubles_the_global_batch_and_compares_throughput(two, tmp_path, child_env):
     trace = tmp_path / "weak_trace.json.gz"
-    weak, stdout = _torchrun(2, tmp_path / "weak.json", "--scenario", "colocated", "--weak", "--profile", str(trace))
+    weak, stdout = _torchrun(child_env(2), 2, tmp_path / "weak.json", "--scenario", "colocated", "--weak", "--profile", str(trace))
     col = weak["colocated"]
     assert "error" not in col and col["scaling"] == "weak"
     # --profile: rank 0 wrote a Chrome trace whose phase ranges _trace.py finds, and printed them

@@ -189,14 +189,30 @@ def discard_unreduced_gradients(model: nn.Module) -> None:
     (``FSDPParam``), which has no public API for this."""
     for unit in fsdp_modules(model):
         unit.set_requires_gradient_sync(True, recurse=False)
-        state = unit._get_fsdp_state()
-        for group in getattr(state, "_fsdp_param_groups", ()):
+        for group in _param_groups(unit):
             for fsdp_param in group.fsdp_params:
                 if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
                     fsdp_param.unsharded_accumulated_grad = None
                 inner = getattr(fsdp_param, "_unsharded_param", None)
                 if inner is not None:
                     inner.grad = None
+
+
+def _param_groups(unit: nn.Module) -> list:
+    """The FSDP unit's parameter groups (FSDP2 internals): ``_fsdp_param_groups`` (a list, newer
+    torch) or ``_fsdp_param_group`` (one group or None, torch <= 2.11). Raises if neither is there,
+    so that a torch whose internals moved again fails loudly instead of keeping the gradients."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    if hasattr(state, "_fsdp_param_group"):
+        group = state._fsdp_param_group
+        return [] if group is None else [group]
+    raise RuntimeError(
+        f"rlkit cannot find FSDP2's parameter groups on this torch ({torch.__version__}): neither "
+        "_fsdp_param_groups nor _fsdp_param_group; the unreduced gradients of a failed update cannot be dropped"
+    )
 
 
 def _shard_group_size(unit: nn.Module) -> int:

@@ -162,3 +162,21 @@ def test_mixed_precision_accumulates_in_float32_and_drops_it_on_failure():
 def test_grad_reduce_is_checked():
     with pytest.raises(ValueError, match="grad_reduce must be one of 'micro_batch', 'step'"):
         rk.Pipeline(rk.recipes.get("grpo"), reward=lambda **_: [0.0]).lower(grad_reduce="epoch")
+
+
+def test_param_groups_are_found_on_either_fsdp2_layout():
+    """FSDP2 keeps a unit's parameter groups in ``_fsdp_param_groups`` (newer torch) or in one
+    ``_fsdp_param_group`` (torch <= 2.11, the GPU image's). Reading only the first silently kept a
+    failed update's gradients on torch 2.11 (found on the H200); neither is an error, never a no-op."""
+    from types import SimpleNamespace
+
+    from rlkit.parallel.fsdp import _param_groups
+
+    def unit(**state):
+        return SimpleNamespace(_get_fsdp_state=lambda: SimpleNamespace(**state))
+
+    assert _param_groups(unit(_fsdp_param_groups=["a", "b"])) == ["a", "b"]
+    assert _param_groups(unit(_fsdp_param_group="a")) == ["a"]
+    assert _param_groups(unit(_fsdp_param_group=None)) == []
+    with pytest.raises(RuntimeError, match="_fsdp_param_groups nor _fsdp_param_group"):
+        _param_groups(unit())
