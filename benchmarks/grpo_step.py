@@ -7,7 +7,8 @@ A step is ``rollout -> [old log-probs] -> [ref log-probs] -> score -> advantage(
 update("ppo_clip", kl=("low_var_kl", beta))`` through rlkit's public transforms: the passes are
 queued without waiting for the GPU and the host decodes and scores the responses meanwhile
 (``_workload.grpo_phases``; the configuration "phases one at a time" runs score first and times
-every phase alone, which is where the pass and update MFU come from). The built-in engine (``rollout`` syncs its weights first: after each update that is the engine's
+every phase alone, which is where the pass and update MFU come from; when the main steps overlap
+passes and update, a few such steps follow them unless ``--no-serial``). The built-in engine (``rollout`` syncs its weights first: after each update that is the engine's
 ``load_weights``, timed as ``weight_sync_s``). Prints a table and one line ``RESULT_JSON {...}``.
 
 FLOP convention (issue 5): training = 6 x params x tokens, a forward-only pass = 2 x params x
@@ -391,8 +392,9 @@ def summarize(wl, times_list, metrics_list, n_params, ceilings, device) -> dict:
 SERIAL = "phases one at a time (per-phase times)"
 
 
-def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dict):
-    """Time other step configurations in the same process, each after one warm-up step."""
+def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dict, only: tuple[str, ...] | None = None):
+    """Time other step configurations in the same process, each after one warm-up step (``only``:
+    just the configurations of those names)."""
     import dataclasses
 
     from rlkit.models.compile import compile_layers, is_compiled, uncompile_layers
@@ -414,6 +416,8 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
         if is_compiled(model):
             configs.append(("eager model (compile=False)", {}, "eager"))
     for name, changes, mode in configs:
+        if only is not None and name not in only:
+            continue
         cwl = dataclasses.replace(wl, **changes)
         try:
             if mode == "eager":
@@ -581,6 +585,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--configs", action="store_true",
                     help="after the main steps, also time step configurations side by side: no separate old-policy pass "
                          "(old = the rollout's log-probs, the GRPO recipe's default), larger micro-batches, eager model")
+    ap.add_argument("--no-serial", action="store_true",
+                    help="skip the steps with the phases one at a time that follow overlapped main steps (they give the "
+                         "log-prob passes' times and the update's TFLOP/s; --configs includes them)")
     ap.add_argument("--configs-budget-s", type=float, default=400.0,
                     help="skip --configs when the run has already taken longer than this")
     ap.add_argument("--engine-only", action="store_true", help="with --variants: time the engine variants only, then stop")
@@ -669,6 +676,11 @@ def main(argv=None) -> dict:
     elif args.configs:
         result["configs"] = {}
         state = time_configs(state, model, prompts, wl, device, n_params, ceilings, result["configs"])
+    elif _passes_spill(wl, result["phase_seconds_median"]) and not args.no_serial:
+        # the main steps overlap the log-prob passes with the update, so neither has a time of its
+        # own: time the phases one at a time too, for the passes' times and the update's TFLOP/s
+        result["configs"] = {}
+        state = time_configs(state, model, prompts, wl, device, n_params, ceilings, result["configs"], only=(SERIAL,))
     trl = None
     rounds_state = (state, prompts, wl, steps) if args.rounds else None
     if args.compare == "trl":

@@ -134,6 +134,26 @@ def test_cpu_bounds_parts_report_consistent_figures():
     assert all(v > 0 for v in g.values())
 
 
+def test_overlapped_steps_are_followed_by_steps_with_the_phases_one_at_a_time(monkeypatch, capsys):
+    """With old-policy and reference passes (the GPU preset's shape of step), the main steps queue
+    the passes and the update together, so neither has a time of its own; the default run then
+    times the phases one at a time as well, and the table gives the passes and the update's rate."""
+    import dataclasses
+
+    monkeypatch.setitem(_workload.PRESETS, "cpu", dataclasses.replace(_workload.PRESETS["cpu"], old_logprobs=True, beta=0.04))
+    torch.manual_seed(0)
+    result = grpo_step.main(["--preset", "cpu", "--device", "cpu", "--steps", "1", "--warmup", "0"])
+    assert "passes_score" in result["phase_seconds_median"] and "update_tflops" not in result
+    serial = result["configs"][grpo_step.SERIAL]
+    assert {"old_logprobs", "ref_logprobs", "update"} <= set(serial["phase_seconds_median"])
+    assert serial["update_tflops"] > 0 and serial["old_logprobs_tflops"] > 0 and serial["ref_logprobs_tflops"] > 0
+    out = capsys.readouterr().out
+    for row in ("old logprobs pass", "ref logprobs pass", "update (fwd+bwd+AdamW)", "phases one at a time (step)"):
+        assert row in out, row
+    skipped = grpo_step.main(["--preset", "cpu", "--device", "cpu", "--steps", "1", "--warmup", "0", "--no-serial"])
+    assert "configs" not in skipped
+
+
 def test_rounds_alternate_the_arms_and_take_ratios_within_each_round(monkeypatch, tmp_path):
     # TRL is not a test dependency: a fake run whose step time changes from round to round, as a
     # drifting machine's would; each round's ratios must use that round's TRL figure
