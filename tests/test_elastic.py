@@ -1,7 +1,6 @@
 """Fault recovery: under `rlkit launch`, a worker killed mid-run is restarted by the elastic agent
 and the job continues from the last checkpoint to the same final step count."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
