@@ -24,12 +24,11 @@ def tiny_model(char_tok):
 def _child_env(nproc: int = 1) -> dict[str, str]:
     """Environment for a test's child processes: one intra-op thread each, and, when this machine
     has fewer GPUs than the ``nproc`` processes the test starts, ``RLKIT_DEVICE=cpu`` so that their
-    workers compute on the CPU over gloo (rlkit allows one GPU per process and stops otherwise;
-    ``rlkit.parallel.mesh.check_gpus_per_process``)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if nproc > (torch.cuda.device_count() if torch.cuda.is_available() else 0):
-        env["RLKIT_DEVICE"] = "cpu"
-    return env
+    workers compute on the CPU over gloo (rlkit allows one GPU per process and stops otherwise):
+    the rule :func:`rlkit.parallel.local.run_local` applies, from the same function."""
+    from rlkit.parallel.local import device_env
+
+    return {**os.environ, "OMP_NUM_THREADS": "1", **device_env(nproc)}
 
 
 @pytest.fixture(scope="session")

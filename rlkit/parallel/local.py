@@ -34,6 +34,22 @@ def _entry(local_rank: int, fn: Callable, args: tuple, env: dict[str, str], out_
         pickle.dump(result, f)
 
 
+def device_env(nprocs: int, device: str | None = None) -> dict[str, str]:
+    """The environment variables that put ``nprocs`` local processes on ``device``: ``"cpu"``
+    gives ``{RLKIT_DEVICE: "cpu"}`` (gloo on the CPU), ``"cuda"`` nothing (one GPU each), ``None``
+    the CPU when this machine has fewer GPUs than ``nprocs`` (NCCL allows one process per GPU).
+    :func:`run_local` uses it; so can anything else that starts processes (torchrun, ``rlkit.launch``)."""
+    import torch
+
+    from rlkit.parallel.mesh import DEVICE_ENV
+
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"run_local: device must be None, 'cpu' or 'cuda', got {device!r}")
+    if device is None:
+        device = "cpu" if nprocs > torch.cuda.device_count() else "cuda"
+    return {DEVICE_ENV: "cpu"} if device == "cpu" else {}
+
+
 def run_local(fn: Callable, nprocs: int, *args: Any, timeout: float = 120.0, threads: int = 1,
               device: str | None = None) -> list[Any]:
     """``[fn(*args) on rank 0, ..., on rank nprocs-1]``, each in its own spawned process.
@@ -46,17 +62,10 @@ def run_local(fn: Callable, nprocs: int, *args: Any, timeout: float = 120.0, thr
     with its traceback. Workers should tear their process group down with
     :func:`rlkit.parallel.mesh.shutdown`.
     """
-    import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from rlkit.parallel.mesh import DEVICE_ENV
-
-    if device not in (None, "cpu", "cuda"):
-        raise ValueError(f"run_local: device must be None, 'cpu' or 'cuda', got {device!r}")
-    if device is None:
-        device = "cpu" if nprocs > torch.cuda.device_count() else "cuda"
-
+    device_vars = device_env(nprocs, device)
     store = dist.TCPStore("127.0.0.1", 0, world_size=nprocs, is_master=True, wait_for_workers=False)
     env = {
         "MASTER_ADDR": "127.0.0.1",
@@ -67,8 +76,7 @@ def run_local(fn: Callable, nprocs: int, *args: Any, timeout: float = 120.0, thr
         # join the store created above as clients instead of racing to bind a port
         "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
-    if device == "cpu":
-        env[DEVICE_ENV] = "cpu"
+    env.update(device_vars)
     out_dir = tempfile.mkdtemp(prefix="rlkit_local_")
     try:
         context = mp.start_processes(
