@@ -1068,25 +1068,64 @@ class TorchEngine:
     # ------------------------------------------------------------------ CUDA graphs
     def _graph_step(self, plan: _Plan, length: int, params, generator) -> None:
         """Run one decode step through the graph for ``length`` (capturing it on its second use:
-        the first, eager, run warms up kernels and allocators)."""
+        the first, eager, run warms up kernels and allocators).
+
+        A capture that fails must not break generation: the step runs eagerly, and so do the
+        plan's later steps of lengths not captured yet, with a warning naming the error. Under
+        tensor parallelism the ranks of the group agree first (one all-reduce of a flag per
+        capture): if any rank's capture failed, every rank drops its new graph and runs eagerly,
+        so all ranks stay on the same code path and their collectives stay matched."""
         graph = plan.graphs.get(length)
         if graph is None:
             if length not in plan.warmed or plan.graph_failed:
                 plan.warmed.add(length)
                 self._decode_step(plan, length, params, generator)
                 return
-            graph = torch.cuda.CUDAGraph()
-            if plan.pool is None:
-                plan.pool = torch.cuda.graph_pool_handle()
+            error = None
             try:
-                with torch.cuda.graph(graph, pool=plan.pool):
-                    self._decode_step(plan, length, params, generator)
-            except Exception:  # noqa: BLE001 - a capture failure must not break generation: stay eager
+                graph = self._capture(plan, lambda: self._decode_step(plan, length, params, generator))
+            except Exception as exc:  # noqa: BLE001 - reported below, then the step runs eagerly
+                graph, error = None, f"{type(exc).__name__}: {exc}"
+            failed_ranks = self._failed_ranks(error is not None)
+            if failed_ranks:
                 plan.graph_failed = True
+                message = "TorchEngine: capturing the decode step in a CUDA graph failed"
+                if self.tp_size > 1:
+                    message += f" on rank(s) {failed_ranks} of its tensor-parallel group"
+                if error is not None:
+                    message += f" ({error})"
+                warnings.warn(
+                    message + ". Decoding continues eagerly (slower) for the lengths not captured yet; "
+                    "pass cuda_graphs=False to skip capturing.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
                 self._decode_step(plan, length, params, generator)
                 return
             plan.graphs[length] = graph
         graph.replay()
+
+    def _capture(self, plan: _Plan, step) -> Any:
+        """Record ``step()`` in a new CUDA graph of the plan's memory pool (nothing runs until
+        the graph is replayed)."""
+        graph = torch.cuda.CUDAGraph()
+        if plan.pool is None:
+            plan.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=plan.pool):
+            step()
+        return graph
+
+    def _failed_ranks(self, failed: bool) -> list[int]:
+        """The ranks of the tensor-parallel group whose capture failed (``[0]`` or ``[]`` without
+        TP); every rank of the group gets the same list."""
+        if self.tp_size == 1:
+            return [0] if failed else []
+        import torch.distributed as dist
+
+        flags = torch.zeros(self.tp_size, dtype=torch.int32, device=self.device)
+        flags[dist.get_group_rank(self.tp_group, dist.get_rank())] = int(failed)
+        dist.all_reduce(flags, group=self.tp_group)
+        return [i for i, f in enumerate(flags.tolist()) if f]
 
     def _can_graph(self, params: SamplingParams, generator) -> bool:
         if not self.cuda_graphs:
