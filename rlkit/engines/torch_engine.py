@@ -17,7 +17,10 @@ On CUDA (all three are on by default there and off on CPU; each can be turned of
 - ``cuda_graphs``: each decode step is captured once in a CUDA graph and replayed, one graph per
   *bucket* of filled cache length (``cache_bucket`` slots): step ``s`` attends over the first
   ``ceil((p + s) / cache_bucket) * cache_bucket`` slots only, not the whole cache. Graphs and
-  the KV cache are kept between calls with the same shapes (``release()`` frees them).
+  the KV cache are kept between calls with the same shapes (``release()`` frees them). So that
+  calls whose longest prompts differ by a few tokens share them, prompts are left-padded to a
+  multiple of ``prompt_bucket`` tokens (default ``cache_bucket``) when graphs are used; without
+  it every new prompt width would capture the graphs again.
 - ``fuse``: q/k/v and gate/up projections run as one matrix product each, over concatenated
   copies of the weights. The copies no longer share the training storage, so they are
   re-concatenated by ``load_weights`` and at the start of every ``generate`` (version counters
@@ -631,7 +634,9 @@ class TorchEngine:
     the engine uses the given tensors as they are). Runs on the device of the weights.
 
     ``cuda_graphs``, ``fuse`` and ``fused_sampling`` default to True on CUDA and False on CPU
-    (see the module docstring); ``cache_bucket`` is the cache-length granularity of the graphs.
+    (see the module docstring); ``cache_bucket`` is the cache-length granularity of the graphs,
+    and ``prompt_bucket`` (default ``cache_bucket``) the prompt-width granularity of the kept
+    graphs and cache (1: pad only to the longest prompt).
     """
 
     def __init__(
@@ -646,6 +651,7 @@ class TorchEngine:
         fuse: bool | None = None,
         fused_sampling: bool | None = None,
         cache_bucket: int = 64,
+        prompt_bucket: int | None = None,
         compile_decode: bool | str | None = None,
         decode_attention: str | None = None,
         tp_group=None,
@@ -667,6 +673,8 @@ class TorchEngine:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
         if cache_bucket < 1:
             raise ValueError(f"cache_bucket must be >= 1, got {cache_bucket}")
+        if prompt_bucket is not None and prompt_bucket < 1:
+            raise ValueError(f"prompt_bucket must be >= 1 (or None for cache_bucket), got {prompt_bucket}")
         self.config = config
         self.weights: dict[str, torch.Tensor] = {}
         for name, tensor in dict(weights).items():
@@ -732,6 +740,7 @@ class TorchEngine:
         if self.fused_sampling and _triton_kernels() is None:
             self.fused_sampling = False
         self.cache_bucket = cache_bucket
+        self.prompt_bucket = cache_bucket if prompt_bucket is None else prompt_bucket
         if decode_attention not in (None, "sdpa", "triton"):
             raise ValueError(f"decode_attention must be None, 'sdpa' or 'triton', got {decode_attention!r}")
         if decode_attention is None:
@@ -1207,6 +1216,13 @@ class TorchEngine:
         # the n samples of a prompt share its prefill: run it once per prompt, then copy the
         # keys/values (and the last hidden state) to the prompt's n rows
         ids, unique_mask = self._left_pad(prompt_ids)
+        graphs = self._can_graph(params, generator)
+        if graphs and ids.shape[1] % self.prompt_bucket:
+            # a kept plan (cache and graphs) serves one prompt width: round it up, so that the next
+            # call's prompts, a few tokens longer or shorter, reuse it instead of capturing again
+            extra = self.prompt_bucket - ids.shape[1] % self.prompt_bucket
+            ids = F.pad(ids, (extra, 0), value=self.pad_token_id)
+            unique_mask = F.pad(unique_mask, (extra, 0), value=False)
         no_padding = bool(unique_mask.all())
         ids, unique_mask = ids.to(self.device), unique_mask.to(self.device)
         prompt_mask = unique_mask.repeat_interleave(params.n, dim=0)
@@ -1216,7 +1232,6 @@ class TorchEngine:
         if self._fused:
             self._refresh_fused()
         fused_sampler = self._uses_fused_sampler(params)
-        graphs = self._can_graph(params, generator)
         stop_ids = () if params.ignore_stop else tuple(sorted(set(params.stop_token_ids)))
         key = (b, p, steps, params.temperature, params.top_k, params.top_p, stop_ids, params.ignore_stop, fused_sampler, graphs)
         plan = self._plan

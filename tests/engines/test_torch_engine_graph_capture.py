@@ -1,5 +1,7 @@
-"""What the engine does around CUDA-graph capture, on CPU: a capture that fails falls back to
-eager decoding with one warning, and under tensor parallelism the ranks agree on that.
+"""What the engine does around CUDA-graph capture, on CPU: captured steps replay what eager steps
+compute; calls whose prompt widths differ by a few tokens reuse one plan and its graphs; a capture
+that fails falls back to eager decoding with one warning, and under tensor parallelism the ranks
+agree on that.
 
 CPU has no CUDA graphs, so ``TorchEngine._capture`` is replaced by a fake with a CUDA graph's
 semantics: capturing records the step without running it, and ``replay()`` runs it. A failing
@@ -30,10 +32,12 @@ class _FakeGraph:
         self.step()
 
 
-def _fake_capture(fail: bool):
+def _fake_capture(fail: bool, log: list | None = None):
     def capture(self, plan, step):
         if fail:
             raise RuntimeError("operation not permitted when stream is capturing")
+        if log is not None:
+            log.append(plan.key)
         return _FakeGraph(step)
 
     return capture
@@ -59,11 +63,13 @@ def test_captured_steps_replay_what_the_eager_steps_compute(monkeypatch):
     monkeypatch.setattr(TorchEngine, "_capture", _fake_capture(fail=False))
     model, prompts = _setup()
     engine = TorchEngine.from_model(model, fuse=False, compile_decode=False, cache_bucket=4)
-    eager = _generate(TorchEngine.from_model(model, fuse=False, compile_decode=False, cache_bucket=4), prompts, False)
+    eager = _generate(TorchEngine.from_model(model, fuse=False, compile_decode=False, cache_bucket=4), prompts, False,
+                      calls=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no capture failure, no warning
-        graphed = _generate(engine, prompts, True)
-    assert graphed[0][2] >= 2 and graphed[1][2] == graphed[0][2]  # several lengths, kept across calls
+        graphed = _generate(engine, prompts, True, calls=3)
+    # several lengths; a length first run in the last steps of a call is captured in the next one
+    assert 2 <= graphed[0][2] <= graphed[1][2] == graphed[2][2]
     assert all(g.replays > 0 for g in engine._plan.graphs.values())
     for (ids, lp, _), (ref_ids, ref_lp, _) in zip(graphed, eager):
         assert torch.equal(ids, ref_ids)
@@ -125,3 +131,41 @@ def test_tensor_parallel_ranks_agree_when_one_rank_fails_to_capture():
             assert n_graphs == 0, rank
             assert torch.equal(ids, ref_ids), rank
             torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-5)
+
+
+def test_prompts_a_few_tokens_longer_reuse_the_kept_plan_and_its_graphs(monkeypatch):
+    captures = []
+    monkeypatch.setattr(TorchEngine, "_capture", _fake_capture(fail=False, log=captures))
+    model, _ = _setup()
+    tok = char_tokenizer("0123456789+= abcdefghij")
+    calls = [["12+3=", "7"], ["12+34=", "99"], ["1+2+3+4=", "5"], ["12+3=", "7"]]  # longest prompt 5, 6, 8, 5
+    params = SamplingParams(n=2, max_new_tokens=10, temperature=0.0, ignore_stop=True)
+
+    def run(engine, graphs):
+        engine.cuda_graphs = graphs
+        out, plans = [], []
+        for texts in calls:
+            g = engine.generate([tok.encode(t) for t in texts], params)
+            out.append((g.response_ids.clone(), g.logprobs.clone()))
+            plans.append(engine._plan)
+        return out, plans
+
+    eager, _ = run(TorchEngine.from_model(model, fuse=False, compile_decode=False, cache_bucket=4), False)
+    bucketed, plans = run(TorchEngine.from_model(model, fuse=False, compile_decode=False, cache_bucket=4,
+                                                 prompt_bucket=8), True)
+    assert all(p is plans[0] for p in plans) and plans[0].state.prompt_width == 8
+    n_bucketed = len(captures)
+    assert n_bucketed == len(plans[0].graphs) > 0  # captured once, then replayed by the later calls
+    captures.clear()
+    _, unbucketed = run(TorchEngine.from_model(model, fuse=False, compile_decode=False, cache_bucket=4,
+                                               prompt_bucket=1), True)
+    assert len({id(p) for p in unbucketed}) == 4 and len(captures) > 2 * n_bucketed  # a new plan per width
+    for (ids, lp), (ref_ids, ref_lp) in zip(bucketed, eager):
+        assert torch.equal(ids, ref_ids)  # the extra left padding changes nothing but rounding
+        torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-5)
+
+
+def test_prompt_bucket_must_be_positive():
+    model, _ = _setup()
+    with pytest.raises(ValueError, match="prompt_bucket must be >= 1"):
+        TorchEngine.from_model(model, prompt_bucket=0)
