@@ -77,6 +77,36 @@ def test_init_compiles_on_auto_only_where_it_pays(monkeypatch):
         init(_model(), adamw(lr=1e-3), compile="yes")
 
 
+class _FakeParam:
+    def __init__(self, n, cuda=True):
+        self.n, self.is_cuda = n, cuda
+
+    def numel(self):
+        return self.n
+
+
+class _FakeModel:
+    def __init__(self, sizes, cuda=True):
+        self.sizes, self.cuda = sizes, cuda
+
+    def parameters(self):
+        return iter(_FakeParam(n, self.cuda) for n in self.sizes)
+
+
+def test_auto_leaves_models_too_small_to_pay_for_compiling_eager(monkeypatch):
+    import rlkit.models.compile as C
+
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(C.importlib.util, "find_spec", lambda name: object())  # as if Triton were installed
+    half = C.AUTO_MIN_PARAMS // 2
+    assert C.auto_enabled(_FakeModel([half, half]))  # the sum counts, not the largest tensor
+    assert not C.auto_enabled(_FakeModel([half, half - 1]))
+    assert not C.auto_enabled(_FakeModel([C.AUTO_MIN_PARAMS], cuda=False))  # never on CPU
+    monkeypatch.setenv(ENV, "1")
+    assert C.auto_enabled(_FakeModel([10]))  # the override compiles any size
+    assert C.AUTO_MIN_PARAMS > sum(p.numel() for p in _model().parameters())  # the tiny test models stay eager
+
+
 def test_compile_layers_names_the_problem_for_a_model_without_blocks():
     with pytest.raises(ValueError, match="found no decoder blocks"):
         compile_layers(torch.nn.Linear(2, 2))
