@@ -200,3 +200,16 @@ def test_grad_reduce_benchmark_compares_the_two_modes(tmp_path):
     assert modes["step"]["reduce_scatters_per_update"] == 3
     assert result["micro_batches_per_update"] == 2
     assert result["max_param_diff"] < 1e-5  # rounding only, after the same updates
+
+
+def test_prompt_widths_runs_on_the_cpu_preset(tmp_path):
+    import prompt_widths
+
+    path = tmp_path / "widths.json"
+    result = prompt_widths.main(["--preset", "cpu", "--device", "cpu", "--calls", "2", "--json", str(path)])
+    assert json.loads(path.read_text())["arms"].keys() == result["arms"].keys()
+    assert len(set(result["widths"])) == 3 and max(result["widths"]) == _workload.PRESETS["cpu"].prompt_tokens
+    for name, arm in result["arms"].items():
+        assert len(arm["seconds"]) == 2 and arm["tokens_per_s"] > 0, name
+        assert arm["cuda_graphs"] is False  # on a CPU no plan is kept, so nothing is padded ...
+    assert result["greedy_tokens_equal"] == 1.0  # ... and both varied arms decode the same way
