@@ -34,7 +34,10 @@ On CUDA (all three are on by default there and off on CPU; each can be turned of
   in base 2 with the hardware's ``lg2``/``ex2`` and all state per lane, and a combine pass per
   row. The seed is drawn from the caller's generator once per call.
 
-``compile_decode`` (on by default on CUDA, off on CPU): on CUDA the elementwise work of each
+``compile_decode`` (on by default on CUDA for models of at least
+:data:`rlkit.models.compile.AUTO_MIN_PARAMS` parameters, as ``rk.init``'s ``compile="auto"``;
+off on CPU and for smaller models, whose compilation would take longer than their decoding): on
+CUDA the elementwise work of each
 layer runs through ``torch.compile``d pieces between the matrix products and the attention
 kernel (``"pieces"``; the CUDA graphs capture them). On CPU, where there are no graphs to remove
 the per-operator cost, ``compile_decode=True`` compiles the whole decode step as one graph
@@ -612,6 +615,16 @@ class _DecodeState:
     sin: torch.Tensor | None = None
 
 
+def _compile_by_default(on_cuda: bool, weights: Mapping[str, torch.Tensor]) -> bool:
+    """``compile_decode=None``: compile on CUDA for models of at least
+    :data:`rlkit.models.compile.AUTO_MIN_PARAMS` parameters (tied weights counted once). Every rank
+    of a TP group holds shards of the same sizes, so all of them decide alike."""
+    from rlkit.models.compile import AUTO_MIN_PARAMS
+
+    unique = {id(t): t for t in weights.values()}
+    return on_cuda and sum(t.numel() for t in unique.values()) >= AUTO_MIN_PARAMS
+
+
 @dataclass
 class _Plan:
     """A decode state kept between ``generate`` calls of the same shape, with its CUDA graphs."""
@@ -754,7 +767,7 @@ class TorchEngine:
         if compile_decode not in (None, True, False, "pieces", "step"):
             raise ValueError(f"compile_decode must be None, True, False, 'pieces' or 'step', got {compile_decode!r}")
         if compile_decode is None:
-            compile_decode = on_cuda
+            compile_decode = _compile_by_default(on_cuda, self.weights)
         if compile_decode is True:
             # CUDA graphs already remove the per-operator host cost, so pieces; on CPU the step
             if on_cuda or self.tp_size > 1:

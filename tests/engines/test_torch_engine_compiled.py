@@ -157,3 +157,14 @@ def test_the_recompile_limit_is_a_named_fallback_not_a_silent_eager_step(model, 
     assert "RecompileLimit" in engine.compile_error and engine._whole_step is None
     ref = TorchEngine.from_model(model, cache_bucket=2).generate(prompts, params, generator=torch.Generator().manual_seed(0))
     assert torch.equal(out.response_ids, ref.response_ids)
+
+
+def test_the_default_compiles_on_cuda_only_models_big_enough_to_pay():
+    from rlkit.engines.torch_engine import _compile_by_default
+    from rlkit.models.compile import AUTO_MIN_PARAMS
+
+    half = torch.empty(AUTO_MIN_PARAMS // 2, device="meta")
+    other = torch.empty(AUTO_MIN_PARAMS // 2, device="meta")
+    assert _compile_by_default(True, {"a": half, "b": other})
+    assert not _compile_by_default(True, {"a": half, "b": half})  # a tied weight counts once
+    assert not _compile_by_default(False, {"a": half, "b": other})  # never by default on CPU
