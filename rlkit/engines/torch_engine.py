@@ -619,10 +619,9 @@ def _compile_by_default(on_cuda: bool, weights: Mapping[str, torch.Tensor]) -> b
     """``compile_decode=None``: compile on CUDA for models of at least
     :data:`rlkit.models.compile.AUTO_MIN_PARAMS` parameters (tied weights counted once). Every rank
     of a TP group holds shards of the same sizes, so all of them decide alike."""
-    from rlkit.models.compile import AUTO_MIN_PARAMS
+    from rlkit.models.compile import large_enough
 
-    unique = {id(t): t for t in weights.values()}
-    return on_cuda and sum(t.numel() for t in unique.values()) >= AUTO_MIN_PARAMS
+    return on_cuda and large_enough(weights.values())
 
 
 @dataclass

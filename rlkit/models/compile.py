@@ -21,15 +21,16 @@ rotary embeddings, SiLU-gating and residual adds of each block fuse into a few k
 
 :func:`maybe_compile` is what :func:`rlkit.state.init` calls (``compile="auto"``: on CUDA when
 Triton is importable and the model has at least :data:`AUTO_MIN_PARAMS` parameters; never on CPU,
-where compilation needs a C++ toolchain and takes longer than the tiny models it would speed up). :func:`eager_fallback` keeps a compiler failure from stopping
-a run: the blocks go back to eager mode, a warning names the error, and the call is retried.
+where compilation needs a C++ toolchain and takes longer than the tiny models it would speed up).
+:func:`eager_fallback` keeps a compiler failure from stopping a run: the blocks go back to eager
+mode, a warning names the error, and the call is retried.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -43,6 +44,14 @@ ENV = "RLKIT_COMPILE"
 #: 30 GRPO steps in about 2 s eagerly; with its blocks compiled, its first two updates took 25 s
 #: each on a CPU. Every real language model (GPT-2 small has 124M) is above the line.
 AUTO_MIN_PARAMS = 50_000_000
+
+
+def large_enough(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether ``tensors`` hold at least :data:`AUTO_MIN_PARAMS` elements, each tensor counted
+    once (a tied weight listed under two names is one tensor). The rule of ``compile="auto"`` and
+    of the rollout engine's default ``compile_decode``."""
+    unique = {id(t): t for t in tensors}
+    return sum(t.numel() for t in unique.values()) >= AUTO_MIN_PARAMS
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -112,7 +121,7 @@ def auto_enabled(model: nn.Module) -> bool:
     if param is None or not param.is_cuda:
         return False
     # numel of a sharded (FSDP2) parameter is its global size, so every rank decides alike
-    if sum(p.numel() for p in model.parameters()) < AUTO_MIN_PARAMS:
+    if not large_enough(model.parameters()):
         return False
     return importlib.util.find_spec("triton") is not None
 
