@@ -213,3 +213,40 @@ def test_prompt_widths_runs_on_the_cpu_preset(tmp_path):
         assert len(arm["seconds"]) == 2 and arm["tokens_per_s"] > 0, name
         assert arm["cuda_graphs"] is False  # on a CPU no plan is kept, so nothing is padded ...
     assert result["greedy_tokens_equal"] == 1.0  # ... and both varied arms decode the same way
+
+
+def test_compile_sizes_builds_each_size_and_runs_an_arm(tmp_path):
+    import compile_sizes
+
+    from transformers import AutoModelForCausalLM
+
+    from rlkit.models import tiny_config
+
+    # the size names are the models' parameter counts (rounded, tied embeddings)
+    for name, dims in compile_sizes.SIZES.items():
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(tiny_config(dims[-1], "qwen2.5-0.5b", **compile_sizes.shape(name)))
+        count = sum(p.numel() for p in model.parameters())
+        stated = float(name[:-1]) * 1e6
+        assert 0.9 * stated <= count <= 1.1 * stated, (name, count)
+    model = compile_sizes.build_sized("0.6M", torch.device("cpu"), compile_sizes.workload(torch.device("cpu")))[0]
+    assert sum(p.numel() for p in model.parameters()) == 623_744 and model.dtype == torch.float32
+    path = tmp_path / "sizes.json"
+    result = compile_sizes.main(["--device", "cpu", "--sizes", "0.6M", "--arms", "eager", "--steps", "1",
+                                 "--max-new-tokens", "4", "--prompts", "2", "--json", str(path)])
+    arm = result["sizes"]["0.6M"]["eager"]
+    assert "error" not in arm, arm.get("error")
+    assert len(arm["steps_s"]) == compile_sizes.WARM + 1 and arm["step_s"] > 0
+    assert json.loads(path.read_text())["sizes"]["0.6M"]["eager"]["params"] == arm["params"]
+
+
+def test_compile_sizes_break_even():
+    import compile_sizes
+
+    # compiled: 2 s a step instead of 3, 40 s more to start -> even after 40 steps
+    got = compile_sizes.summarize({"eager": {"step_s": 3.0, "startup_s": 10.0}, "compiled": {"step_s": 2.0, "startup_s": 50.0}})
+    assert got["speedup"] == pytest.approx(1.5) and got["break_even_steps"] == pytest.approx(40.0)
+    # slower compiled steps never catch up
+    assert compile_sizes.summarize({"eager": {"step_s": 1.0, "startup_s": 1.0},
+                                    "compiled": {"step_s": 1.5, "startup_s": 30.0}})["break_even_steps"] is None
+    assert compile_sizes.summarize({"eager": {"error": "x"}, "compiled": {"step_s": 1.0, "startup_s": 1.0}}) == {}
