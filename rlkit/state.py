@@ -152,8 +152,9 @@ def init(
       ``critic_optimizer`` (defaults to the actor's spec).
     - ``compile``: ``torch.compile`` the decoder blocks of actor, reference and critic in place
       (:mod:`rlkit.models.compile`); ``"auto"`` (default) does it on CUDA when Triton is
-      importable and the model has at least 50M parameters (below that, compiling takes longer
-      than training a model that small), never on CPU. A compiler failure falls back to eager
+      importable and the model has at least 20M parameters
+      (``rlkit.models.compile.AUTO_MIN_PARAMS``: below that, compiling pays back slowly or
+      never), never on CPU. A compiler failure falls back to eager
       mode with a warning.
     """
     from rlkit.optim import adamw

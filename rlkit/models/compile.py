@@ -38,12 +38,20 @@ from torch import nn
 #: environment override for ``compile="auto"``: "0" never compiles, "1" compiles on any device
 ENV = "RLKIT_COMPILE"
 
-#: ``compile="auto"`` leaves models with fewer parameters than this eager. Compiling the blocks
-#: costs tens of seconds up front (two compilations: the first batch's sizes, then symbolic
-#: ones), which a model this small never earns back. The quickstart's 0.5M-parameter model runs
-#: 30 GRPO steps in about 2 s eagerly; with its blocks compiled, its first two updates took 25 s
-#: each on a CPU. Every real language model (GPT-2 small has 124M) is above the line.
-AUTO_MIN_PARAMS = 50_000_000
+#: ``compile="auto"`` leaves models with fewer parameters than this eager. Compiling costs about
+#: 20 s up front (two compilations: the first batch's sizes, then symbolic ones), which a small
+#: model earns back slowly or never. Measured on one H200 with ``benchmarks/compile_sizes.py``
+#: (the standard GRPO step, blocks and decode pieces compiled against eager; the break-even is the
+#: number of steps after which the compiled run has caught up):
+#:
+#: - 0.6M parameters: 0.88x and 1.07x a step, so never, or after 1,674 steps;
+#: - 6M: 1.32x (twice), even after 256 and 311 steps;
+#: - 24M: 1.33x and 1.60x, even after 178 and 119 steps;
+#: - 39M: 2.03x and 1.67x, 72 and 115 steps; 129M: 1.72x, 62 steps; 494M: 1.69x, 21 steps.
+#:
+#: So the line sits between 6M and 24M. The quickstart's 0.5M-parameter model runs 30 GRPO steps
+#: in about 2 s eagerly. Every real language model (GPT-2 small has 124M) is above the line.
+AUTO_MIN_PARAMS = 20_000_000
 
 
 def large_enough(tensors: Iterable[torch.Tensor]) -> bool:
