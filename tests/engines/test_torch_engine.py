@@ -160,6 +160,24 @@ def test_shares_storage_and_sees_optimizer_steps(tok, prompts, refs):
     assert report["bytes"] == 0 and engine.policy_version == 1
 
 
+def test_generate_returns_ordinary_tensors_under_inference_mode(model, prompts):
+    """The engine decodes under torch.inference_mode; what it returns must not be inference
+    tensors, which autograd refuses to save (an embedding's backward saves its indices) and
+    which cannot be changed in place outside inference mode."""
+    engine = TorchEngine.from_model(model)
+    gen = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=6), generator=torch.Generator().manual_seed(0))
+    for name in ("response_ids", "response_mask", "logprobs", "truncated", "prompt_index"):
+        assert not getattr(gen, name).is_inference(), name
+    hidden = model.get_input_embeddings()(gen.response_ids)  # saves the ids for the backward
+    (hidden.sum() * gen.logprobs.sum()).backward()
+    assert model.get_input_embeddings().weight.grad is not None
+    gen.logprobs.mul_(2.0)
+    gen.response_mask &= gen.response_mask  # in place, outside inference mode
+    # and the same engine serves the training loop's next call, whose outputs are as before
+    again = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=6), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(again.response_ids, gen.response_ids)
+
+
 def _batch_args(gen, prompts):
     batch = make_batch([prompts[i] for i in gen.prompt_index.tolist()], _rows(gen))
     return batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"]
