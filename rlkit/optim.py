@@ -65,7 +65,7 @@ class OptimizerSpec:
             # torch's CPU default is a Python loop over parameters; the fused CPU kernel makes one
             # pass over each parameter and its moments: 1.27 against 3.30 ms per step for foreach
             # on parameters shaped like benchmarks/grpo_step.py's CPU preset (twelfth session,
-            # benchmarks/README.md). It equals the loop up to float rounding (tests/test_state.py).
+            # benchmarks/HISTORY.md). It equals the loop up to float rounding (tests/test_state.py).
             kwargs["fused"] = True
         optimizer = torch.optim.AdamW(params, **kwargs)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor)

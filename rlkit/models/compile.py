@@ -101,7 +101,7 @@ def compile_layers(model: nn.Module, *, dynamic: bool | None = None, backend: st
 #: grad mode (update / log-prob pass) and attention layout (varlen, shared prompts, padded) a
 #: block meets is one variant. Dynamo's default of 8 is reached by a GRPO run that also checks
 #: or evaluates, and past it the blocks silently run eagerly: measured, the update went from
-#: 0.57 to 0.76 s per step (benchmarks/README.md).
+#: 0.57 to 0.76 s per step (benchmarks/HISTORY.md).
 RECOMPILE_LIMIT = 64
 
 

@@ -203,7 +203,7 @@ def _slots(index: torch.Tensor, cu: torch.Tensor, width: int, n: int) -> tuple[t
 #: CPU: gather rows with ``index_select``, whose backward is ``index_add_``, instead of advanced
 #: indexing, whose backward (``index_put_(accumulate=True)``) runs serially on CPU: 0.2 against
 #: 1.1 ms for the backward of one layer's response-key gather on the CPU benchmark
-#: (``benchmarks/README.md``, twelfth session). The two sum a row's gradient in different orders,
+#: (``benchmarks/HISTORY.md``, twelfth session). The two sum a row's gradient in different orders,
 #: so they round differently. CUDA keeps indexing (its ``index_add_`` is nondeterministic).
 CPU_INDEX_SELECT = True
 
@@ -239,7 +239,7 @@ def _padded_attention(qz, kz, vz, q_slots, k_slots, mask, scaling, groups: int) 
 #: CPU: the padded-segment attention as two batched products (:func:`_math_attention`) instead
 #: of SDPA, whose CPU kernel spends most of its time in per-call set-up at these sizes (a few
 #: dozen keys per segment): 2.5 against 4.7 ms forward+backward per layer at the CPU
-#: benchmark's response segments (``benchmarks/README.md``, twelfth session). False: SDPA.
+#: benchmark's response segments (``benchmarks/HISTORY.md``, twelfth session). False: SDPA.
 CPU_MATH_ATTENTION = True
 
 
@@ -453,7 +453,7 @@ _SHARED_NAME = "rlkit_shared_prefix"
 
 #: compute each prompt once per group of consecutive rows sharing it, in the training forward:
 #: "auto" does it on CPU and, with varlen flash attention, on CUDA (measured faster on both:
-#: benchmarks/README.md; :func:`shares_prompts`). True / False force it.
+#: benchmarks/HISTORY.md; :func:`shares_prompts`). True / False force it.
 SHARE_PROMPTS: bool | str = "auto"
 
 
@@ -465,7 +465,7 @@ CPU_DENSE_MASK_MAX_TOKENS = 512
 def shares_prompts(device: torch.device | str) -> bool:
     """What :data:`SHARE_PROMPTS` means on ``device``: the flag itself unless it is "auto"; "auto"
     shares on CPU and, where varlen flash attention exists, on CUDA (measured faster on both:
-    benchmarks/README.md)."""
+    benchmarks/HISTORY.md)."""
     if SHARE_PROMPTS != "auto":
         return bool(SHARE_PROMPTS)
     device = torch.device(device)
