@@ -44,11 +44,11 @@ the per-operator cost, ``compile_decode=True`` compiles the whole decode step as
 (``"step"``: every layer, the sampler and the bookkeeping; the sampling noise is drawn outside it
 from the caller's generator, so the same seed samples the same tokens as the eager step). It
 attends over ``cache_bucket``-sized buckets of the cache, so a call compiles a few graphs, not
-one per token. It costs seconds of compilation on the first call and pays on long runs:
-``benchmarks/HISTORY.md`` ("CPU (eighth session)") has the figures. ``compile_decode="step"`` also runs on CUDA
-(the graphs capture the compiled step), but there it measured slower than the pieces on an H200
-(141,789 against 154,182 and 150,341 against 157,181 tokens/s on the standard workload, two
-machines), so ``True`` means pieces there. A compiler failure, including dynamo's recompile
+one per token. It costs seconds of compilation on the first call and pays on long runs
+(figures: ``benchmarks/HISTORY.md``, "CPU (eighth session)"). ``compile_decode="step"`` also
+runs on CUDA (the graphs capture the compiled step), but there it measured slower than the
+pieces on an H200 (141,789 against 154,182 and 150,341 against 157,181 tokens/s on the standard
+workload, two machines), so ``True`` means pieces there. A compiler failure, including dynamo's recompile
 limit (each engine and bucket is another variant of one code object), makes the engine warn,
 record the error in ``engine.compile_error`` and continue eagerly with the noise already drawn.
 
