@@ -80,6 +80,12 @@ def word_tokenizer(vocab_size: int):
     )
 
 
+def word_prompts(wl: Workload, vocab: int, rng: random.Random) -> list[str]:
+    """``wl.n_prompts`` prompts of exactly ``wl.prompt_tokens`` words of :func:`word_tokenizer`'s
+    ``vocab`` ids (4 and up: no specials), drawn from ``rng``."""
+    return [" ".join(f"t{rng.randrange(4, vocab)}" for _ in range(wl.prompt_tokens)) for _ in range(wl.n_prompts)]
+
+
 def build(preset: str, device: torch.device, seed: int = 0):
     """``(workload, model, tokenizer, prompt_texts)``: a fresh random model on ``device``."""
     from rlkit.models import tiny
@@ -95,7 +101,7 @@ def build(preset: str, device: torch.device, seed: int = 0):
     else:
         tok = word_tokenizer(151936)
         model = tiny(tok, size="qwen2.5-0.5b", seed=seed, dtype=wl.dtype)
-        texts = [" ".join(f"t{rng.randrange(4, 151936)}" for _ in range(wl.prompt_tokens)) for _ in range(wl.n_prompts)]
+        texts = word_prompts(wl, 151936, rng)
     return wl, model.to(device), tok, texts
 
 

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from _workload import PRESETS, Clock, emit_result, grpo_phases, reward, word_tokenizer  # noqa: E402
+from _workload import PRESETS, Clock, emit_result, grpo_phases, reward, sync, word_prompts, word_tokenizer  # noqa: E402
 
 #: name -> (hidden, layers, attention heads, kv heads, intermediate, vocabulary); the names are
 #: the parameter counts (tied embeddings)
@@ -73,9 +73,7 @@ def build_sized(name: str, device: torch.device, wl=None, seed: int = 0):
     wl = wl or PRESETS["qwen2.5-0.5b"]
     tok = word_tokenizer(vocab)
     model = tiny(tok, size="qwen2.5-0.5b", seed=seed, dtype=wl.dtype, **overrides)
-    rng = random.Random(seed)
-    texts = [" ".join(f"t{rng.randrange(4, vocab)}" for _ in range(wl.prompt_tokens)) for _ in range(wl.n_prompts)]
-    return model.to(device), tok, texts
+    return model.to(device), tok, word_prompts(wl, vocab, random.Random(seed))
 
 
 def workload(device: torch.device, max_new_tokens: int | None = None, prompts: int | None = None):
@@ -113,8 +111,7 @@ def run_arm(size: str, arm: str, device: torch.device, steps: int, max_new_token
         clock = Clock(device)
         t0 = time.perf_counter()
         state, _, _ = grpo_phases(state, prompts, wl, clock, reward, beta=wl.beta, micro_batch=wl.micro_batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
         print(f"{size} {arm} step {i}: {times[-1]:.3f}s", file=sys.stderr, flush=True)
     out = {

@@ -154,8 +154,7 @@ def init(
       (:mod:`rlkit.models.compile`); ``"auto"`` (default) does it on CUDA when Triton is
       importable and the model has at least 20M parameters
       (``rlkit.models.compile.AUTO_MIN_PARAMS``: below that, compiling pays back slowly or
-      never), never on CPU. A compiler failure falls back to eager
-      mode with a warning.
+      never), never on CPU. A compiler failure falls back to eager mode with a warning.
     """
     from rlkit.optim import adamw
 

@@ -36,11 +36,11 @@ On CUDA (all three are on by default there and off on CPU; each can be turned of
 
 ``compile_decode`` (on by default on CUDA for models of at least
 :data:`rlkit.models.compile.AUTO_MIN_PARAMS` parameters, as ``rk.init``'s ``compile="auto"``;
-off on CPU and for smaller models, whose compilation would take longer than their decoding): on
-CUDA the elementwise work of each
-layer runs through ``torch.compile``d pieces between the matrix products and the attention
-kernel (``"pieces"``; the CUDA graphs capture them). On CPU, where there are no graphs to remove
-the per-operator cost, ``compile_decode=True`` compiles the whole decode step as one graph
+off on CPU and for smaller models, which earn back the compilation slowly or never): on CUDA the
+elementwise work of each layer runs through ``torch.compile``d pieces between the matrix
+products and the attention kernel (``"pieces"``; the CUDA graphs capture them). On CPU, where
+there are no graphs to remove the per-operator cost, ``compile_decode=True`` compiles the whole
+decode step as one graph
 (``"step"``: every layer, the sampler and the bookkeeping; the sampling noise is drawn outside it
 from the caller's generator, so the same seed samples the same tokens as the eager step). It
 attends over ``cache_bucket``-sized buckets of the cache, so a call compiles a few graphs, not
@@ -48,9 +48,10 @@ one per token. It costs seconds of compilation on the first call and pays on lon
 (figures: ``benchmarks/HISTORY.md``, "CPU (eighth session)"). ``compile_decode="step"`` also
 runs on CUDA (the graphs capture the compiled step), but there it measured slower than the
 pieces on an H200 (141,789 against 154,182 and 150,341 against 157,181 tokens/s on the standard
-workload, two machines), so ``True`` means pieces there. A compiler failure, including dynamo's recompile
-limit (each engine and bucket is another variant of one code object), makes the engine warn,
-record the error in ``engine.compile_error`` and continue eagerly with the noise already drawn.
+workload, two machines), so ``True`` means pieces there. A compiler failure, including dynamo's
+recompile limit (each engine and bucket is another variant of one code object), makes the engine
+warn, record the error in ``engine.compile_error`` and continue eagerly with the noise already
+drawn.
 
 Decode attention on CUDA (``decode_attention="triton"``, the default there): one Triton kernel
 per layer applies rotary to the new token's query and key, writes its key and value into the
