@@ -23,6 +23,10 @@ minimum update time of each, its median time relative to ``before`` update by up
 variants take turns, so a noisy machine's drift cancels in the ratio), and checks the
 parameters after the same updates: ``+plan`` to ``+foreach`` equal ``before``'s bit for bit,
 the last three agree with it to float rounding. One JSON line at the end.
+
+The bit-for-bit check needs a quiet machine or ``--threads 1``. With two threads on a loaded
+2-core machine, some reductions split differently from update to update, so even variants with
+the same arithmetic can differ in the last bits; the smoke test runs it on one thread.
 """
 from __future__ import annotations
 
