@@ -474,12 +474,23 @@ def shares_prompts(device: torch.device | str) -> bool:
     return device.type == "cuda" and USE_VARLEN_ATTENTION and _varlen_fn() is not None
 
 
+def _checkpointing(backbone: nn.Module) -> bool:
+    """Whether transformers' activation (gradient) checkpointing is on in ``backbone``. Asks for
+    ``is_activation_checkpointing`` where the class has it: transformers 5.2x renamed the property,
+    and reading the old name there prints a FutureWarning (it showed twice in ``rlkit run
+    arithmetic``'s output). Older versions have only ``is_gradient_checkpointing``."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(backbone), name):
+            return bool(getattr(backbone, name))
+    return False
+
+
 def _full_attention_packed(backbone: nn.Module) -> bool:
     """The model can run a custom packed layout: full causal attention in every layer (no sliding
     window, no gradient checkpointing) through an implementation that reads packed positions.
     What both shared prompts and varlen attention need."""
     config = getattr(backbone, "config", None)
-    if config is None or getattr(backbone, "is_gradient_checkpointing", False) or getattr(config, "use_sliding_window", False):
+    if config is None or _checkpointing(backbone) or getattr(config, "use_sliding_window", False):
         return False
     if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
         return False

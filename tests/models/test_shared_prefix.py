@@ -246,3 +246,28 @@ def test_compiled_blocks_equal_eager_for_a_float32_model_on_cuda():
     torch.cuda.synchronize()
     torch.testing.assert_close(lp_c, lp, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ent_c, ent, atol=1e-4, rtol=1e-4)
+
+
+def test_checkpointing_turns_the_packed_layouts_off_without_a_deprecation_warning(recwarn):
+    """Activation checkpointing (transformers' own) rules out the packed layouts; asking whether it
+    is on must not trip transformers' FutureWarning for the old property name."""
+    import warnings
+
+    backbone = L.backbone_of(_model())
+    warnings.simplefilter("always")
+    assert L._full_attention_packed(backbone)
+    enable = getattr(backbone, "activation_checkpointing_enable", None) or backbone.gradient_checkpointing_enable
+    enable()
+    recwarn.clear()  # only what asking costs counts below
+    assert not L._full_attention_packed(backbone)
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)], [str(w.message) for w in recwarn]
+
+    class OldTransformers(torch.nn.Module):  # a model class with only the old property name
+        config = backbone.config
+
+        @property
+        def is_gradient_checkpointing(self):
+            return True
+
+    assert L._checkpointing(OldTransformers()) and not L._full_attention_packed(OldTransformers())
+    assert not L._checkpointing(torch.nn.Linear(2, 2))
