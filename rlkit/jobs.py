@@ -171,7 +171,7 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     if resume_from is None:
         sft_sink = ConsoleSink(opts.sft_steps, "warm-up", keys=("sft/loss",), console=console) if not opts.quiet and opts.sft_steps else None
         warmup(model, tok, task.sft_examples, steps=opts.sft_steps, lr=opts.sft_lr, seed=opts.seed,
-               on_step=(lambda s, m: sft_sink.on_step(s + 1, m)) if sft_sink else None)
+               sinks=[sft_sink] if sft_sink else ())
         if sft_sink:
             sft_sink.close()
         acc_before = accuracy(model)

@@ -7,11 +7,12 @@ RL update uses.
 from __future__ import annotations
 
 import random
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from rlkit.batch import make_batch
+from rlkit.observe.sinks import broadcast
 from rlkit.optim import adamw
 
 
@@ -42,8 +43,16 @@ def warmup(
     warmup_steps: int = 20,
     seed: int = 0,
     on_step: Callable[[int, dict], None] | None = None,
+    sinks: Iterable[Any] = (),
 ) -> list[dict]:
-    """Train ``model`` in place on (prompt, completion) pairs; returns per-step metrics."""
+    """Train ``model`` in place on (prompt, completion) pairs; returns per-step metrics.
+
+    ``sinks`` (as :func:`rlkit.fit`'s: a progress bar, a notebook dashboard, a JSONL file) and
+    ``on_step`` get ``(steps done, metrics)`` after every step, so the last call says ``steps``::
+
+        board = rk.observe.notebook.Dashboard(total=1500, keys=("sft/loss",), every=150)
+        rk.sft.warmup(model, tokenizer, examples, steps=1500, sinks=[board])
+    """
     from rlkit.models.logprobs import response_logprobs
 
     if not examples:
@@ -53,6 +62,7 @@ def warmup(
     optimizer, scheduler = spec.build(model.parameters())
     rng = random.Random(seed)
     history = []
+    sinks = list(sinks)
     # each example is tokenized once, on its first draw, not once per draw (with the default job's
     # character tokenizer that saves ~1% of a step; slower tokenizers and longer texts save more)
     encoded: dict[int, tuple[list[int], list[int]]] = {}
@@ -73,7 +83,8 @@ def warmup(
         scheduler.step()
         metrics = {"sft/loss": float(loss.detach()), "sft/lr": scheduler.get_last_lr()[0]}
         history.append(metrics)
+        broadcast(sinks, step + 1, metrics)
         if on_step is not None:
-            on_step(step, metrics)
+            on_step(step + 1, metrics)
     model.eval()
     return history

@@ -61,3 +61,35 @@ def test_warmup_learns():
     history = warmup(_model(task), task.tokenizer, task.sft_examples, steps=60, batch_size=16, lr=1e-2, seed=0)
     first, last = history[0]["sft/loss"], sum(h["sft/loss"] for h in history[-5:]) / 5
     assert last < 0.6 * first, (first, last)
+
+
+def test_warmup_reports_steps_done_to_sinks_and_on_step_as_fit_does():
+    """Sinks and ``on_step`` get (steps done, metrics), 1..steps, so a progress bar ends full; a
+    notebook dashboard passed as a sink ends at its total even when ``every`` does not divide it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    task = rk.tasks.arithmetic(n_train=16, n_test=2)
+    seen, called = rk.observe.ListSink(), []
+    board = rk.observe.notebook.Dashboard(total=7, keys=("sft/loss",), every=5)
+    history = warmup(_model(task), task.tokenizer, task.sft_examples, steps=7, batch_size=4, seed=0,
+                     sinks=[seen, board], on_step=lambda step, metrics: called.append((step, metrics)))
+    assert [s for s, _ in called] == list(range(1, 8))
+    assert [m for _, m in called] == history
+    assert [h["step"] for h in seen.history] == list(range(1, 8))
+    assert [h["step"] for h in board.history] == list(range(1, 8))
+    if board._widgets is not None:  # ipywidgets present (a test dependency): the bar shows the last step
+        assert board._bar.value == 7
+
+
+def test_observe_submodules_load_on_first_use():
+    """``rk.observe.notebook`` and friends work after a plain ``import rlkit``, which itself loads
+    none of their optional packages."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rlkit as rk; heavy = [m for m in ('matplotlib', 'ipywidgets', 'wandb', 'prometheus_client') if m in sys.modules]; "
+            "assert not heavy, heavy; print(rk.observe.notebook.Dashboard.__name__, rk.observe.console.ConsoleSink.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["Dashboard", "ConsoleSink"]

@@ -1,4 +1,19 @@
-"""Metric sinks: console (rich), JSONL, notebook dashboard, wandb, Prometheus (opt-in)."""
+"""Metric sinks: console (rich), JSONL, notebook dashboard, wandb, Prometheus (opt-in).
+
+The sinks that need optional packages live in submodules loaded on first use, so ``import rlkit``
+never imports ipywidgets, matplotlib, wandb or prometheus-client: ``rk.observe.notebook.Dashboard``,
+``rk.observe.console.ConsoleSink``, ``rk.observe.wandb_sink`` and ``rk.observe.prometheus``.
+"""
+import importlib
+
 from rlkit.observe.sinks import CallbackSink, JSONLSink, ListSink, Sink, broadcast, close_all
 
 __all__ = ["Sink", "JSONLSink", "ListSink", "CallbackSink", "broadcast", "close_all"]
+
+_SUBMODULES = ("console", "notebook", "prometheus", "wandb_sink")
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"rlkit.observe.{name}")
+    raise AttributeError(f"module 'rlkit.observe' has no attribute {name!r}")

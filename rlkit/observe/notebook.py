@@ -31,7 +31,7 @@ class Dashboard:
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         self.history.append({"step": step, **metrics})
-        if self._widgets is None or step % self.every:
+        if self._widgets is None or (step % self.every and step < self.total):  # the last step always shows
             return
         self._bar.value = min(step, self.total)
         latest = " | ".join(f"{k}: {metrics[k]:.3g}" for k in self.keys if k in metrics)
