@@ -1,6 +1,6 @@
 """When compiling pays: the standard GRPO step eager and compiled, model size by model size.
 
-    python benchmarks/compile_sizes.py --device cuda [--sizes 0.6M,6M,24M,39M,129M,494M] [--steps 5] [--json out.json]
+    python benchmarks/compile_sizes.py --device cuda [--sizes 0.6M,6M,13M,24M,39M,129M,494M] [--steps 5] [--json out.json]
 
 ``rk.init(compile="auto")`` compiles the training blocks, and ``TorchEngine(compile_decode=None)``
 the decode pieces, only for models of at least ``rlkit.models.compile.AUTO_MIN_PARAMS``
@@ -45,6 +45,7 @@ from _workload import PRESETS, Clock, emit_result, grpo_phases, reward, sync, wo
 SIZES = {
     "0.6M": (128, 2, 4, 2, 512, 1024),
     "6M": (256, 4, 4, 2, 1024, 8192),
+    "13M": (320, 6, 5, 1, 1280, 12288),
     "24M": (384, 8, 6, 2, 1536, 16384),
     "39M": (512, 8, 8, 2, 2048, 16384),
     "129M": (768, 12, 12, 4, 3072, 32768),

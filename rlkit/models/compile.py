@@ -45,12 +45,15 @@ ENV = "RLKIT_COMPILE"
 #: number of steps after which the compiled run has caught up):
 #:
 #: - 0.6M parameters: 0.88x and 1.07x a step, so never, or after 1,674 steps;
-#: - 6M: 1.32x (twice), even after 256 and 311 steps;
-#: - 24M: 1.33x and 1.60x, even after 178 and 119 steps;
+#: - 6M: 1.32x, 1.32x and 1.49x, even after 256, 311 and 185 steps;
+#: - 13M: 1.65x, even after 150 steps (compiling added 25 s);
+#: - 24M: 1.33x, 1.60x and 1.71x, even after 178, 119 and 115 steps;
 #: - 39M: 2.03x and 1.67x, 72 and 115 steps; 129M: 1.72x, 62 steps; 494M: 1.69x, 21 steps.
 #:
-#: So the line sits between 6M and 24M. The quickstart's 0.5M-parameter model runs 30 GRPO steps
-#: in about 2 s eagerly. Every real language model (GPT-2 small has 124M) is above the line.
+#: So the line sits between 6M and 24M; at 13M a run needs about 150 steps to earn the compile
+#: back, more than a notebook's first try (30 steps at 13M: 15 s eager against 35 s compiled).
+#: The quickstart's 0.5M-parameter model runs 30 GRPO steps in about 2 s eagerly. Every real
+#: language model (GPT-2 small has 124M) is above the line.
 AUTO_MIN_PARAMS = 20_000_000
 
 
