@@ -69,6 +69,9 @@ def test_warmup_reports_steps_done_to_sinks_and_on_step_as_fit_does():
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = len(plt.get_fignums())
     task = rk.tasks.arithmetic(n_train=16, n_test=2)
     seen, called = rk.observe.ListSink(), []
     board = rk.observe.notebook.Dashboard(total=7, keys=("sft/loss",), every=5)
@@ -80,6 +83,7 @@ def test_warmup_reports_steps_done_to_sinks_and_on_step_as_fit_does():
     assert [h["step"] for h in board.history] == list(range(1, 8))
     if board._widgets is not None:  # ipywidgets present (a test dependency): the bar shows the last step
         assert board._bar.value == 7
+        assert len(plt.get_fignums()) == figures  # its redraws (steps 5 and 7) left no figure open
 
 
 def test_observe_submodules_load_on_first_use():

@@ -40,8 +40,9 @@ class Dashboard:
         with self._plot:
             import matplotlib.pyplot as plt
 
-            self.plot()
+            fig = self.plot()
             plt.show()
+            plt.close(fig)  # Jupyter's inline backend closes it in show(); other backends would keep one per redraw
 
     def plot(self, keys: Sequence[str] | None = None):
         """A figure with one panel per metric over steps."""
