@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from rlkit.batch import make_batch
-from rlkit.observe.sinks import broadcast
+from rlkit.observe.sinks import CallbackSink, broadcast
 from rlkit.optim import adamw
 
 
@@ -62,7 +62,7 @@ def warmup(
     optimizer, scheduler = spec.build(model.parameters())
     rng = random.Random(seed)
     history = []
-    sinks = list(sinks)
+    sinks = list(sinks) + ([CallbackSink(on_step)] if on_step is not None else [])
     # each example is tokenized once, on its first draw, not once per draw (with the default job's
     # character tokenizer that saves ~1% of a step; slower tokenizers and longer texts save more)
     encoded: dict[int, tuple[list[int], list[int]]] = {}
@@ -84,7 +84,5 @@ def warmup(
         metrics = {"sft/loss": float(loss.detach()), "sft/lr": scheduler.get_last_lr()[0]}
         history.append(metrics)
         broadcast(sinks, step + 1, metrics)
-        if on_step is not None:
-            on_step(step + 1, metrics)
     model.eval()
     return history
