@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import random
+import subprocess
 import time
 from dataclasses import dataclass
 
@@ -119,6 +121,22 @@ def emit_result(result: dict, path: str | None = None) -> None:
     if path:
         with open(path, "w") as f:
             f.write(line + "\n")
+
+
+def child_json(cmd: list[str], tag: str, *, env: dict | None = None) -> dict:
+    """Run ``cmd`` in a fresh process and return the JSON of the last stdout line starting with
+    ``tag + " "``, with ``"process_s"`` (the child's wall time) added; ``{"error": ...}`` (the exit
+    code and the end of its output) when it exits non-zero or prints no such line."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    prefix = tag + " "
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(prefix)]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-3000:]}"}
+    out = json.loads(lines[-1][len(prefix):])
+    out["process_s"] = wall
+    return out
 
 
 def param_count(model: torch.nn.Module) -> int:

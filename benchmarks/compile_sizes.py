@@ -29,7 +29,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from _workload import PRESETS, Clock, emit_result, grpo_phases, reward, sync, word_prompts, word_tokenizer  # noqa: E402
+from _workload import PRESETS, Clock, child_json, emit_result, grpo_phases, reward, sync, word_prompts, word_tokenizer  # noqa: E402
 
 #: name -> (hidden, layers, attention heads, kv heads, intermediate, vocabulary); the names are
 #: the parameter counts (tied embeddings)
@@ -134,15 +133,9 @@ def run_child(size: str, arm: str, args) -> dict:
             cmd += ["--max-new-tokens", str(args.max_new_tokens)]
         if args.prompts:
             cmd += ["--prompts", str(args.prompts)]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        wall = time.perf_counter() - t0
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ARM_JSON ")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout)[-2000:]
-        return {"size": size, "arm": arm, "error": f"exit {proc.returncode}: {tail}"}
-    out = json.loads(lines[-1][len("ARM_JSON "):])
-    out["process_s"] = wall
+        out = child_json(cmd, "ARM_JSON", env=env)
+    if "error" in out:
+        return {"size": size, "arm": arm, "error": out["error"]}
     return out
 
 

@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -35,7 +34,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _workload import PRESETS, Clock, Workload, build, emit_result, grpo_phases, param_count, reward  # noqa: E402
+from _workload import PRESETS, Clock, Workload, build, child_json, emit_result, grpo_phases, param_count, reward  # noqa: E402
 from _workload import sync as _sync  # noqa: E402
 
 
@@ -527,11 +526,7 @@ def run_trl(args, device: torch.device) -> dict:
            "--preset", args.preset, "--device", str(device), "--steps", str(trl_steps)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TRL_JSON ")]
-    if lines:
-        return json.loads(lines[-1][len("TRL_JSON "):])
-    return {"error": (proc.stderr or proc.stdout)[-3000:]}
+    return child_json(cmd, "TRL_JSON")
 
 
 def run_rounds(args, state, prompts, wl: Workload, steps: int, device: torch.device) -> dict:
@@ -652,7 +647,7 @@ def main(argv=None) -> dict:
     if args.variants and gpu:
         result["variants"] = run_variants(model, state, prompts, wl, device, n_params, engine_only=args.engine_only)
     if args.engine_only:
-        print("RESULT_JSON " + json.dumps(result, default=float), flush=True)
+        emit_result(result, args.json)
         return result
 
     times, metrics = [], []

@@ -257,3 +257,18 @@ def test_compile_sizes_break_even():
     assert compile_sizes.summarize({"eager": {"step_s": 1.0, "startup_s": 1.0},
                                     "compiled": {"step_s": 1.5, "startup_s": 30.0}})["break_even_steps"] is None
     assert compile_sizes.summarize({"eager": {"error": "x"}, "compiled": {"step_s": 1.0, "startup_s": 1.0}}) == {}
+
+
+def test_child_json_takes_the_last_tagged_line_and_reports_failures():
+    """The benchmarks' child processes (TRL's run, compile_sizes' arms) report through one tagged
+    JSON line; a child that fails, or prints none, is an error naming the exit code and its output."""
+    py = sys.executable
+    out = _workload.child_json([py, "-c", "print('X_JSON {\"a\": 1}'); print('noise'); print('X_JSON {\"a\": 2}')"], "X_JSON")
+    assert out["a"] == 2 and out["process_s"] > 0
+    failed = _workload.child_json([py, "-c", "print('X_JSON {\"a\": 1}'); import sys; sys.exit('boom')"], "X_JSON")
+    assert set(failed) == {"error"} and failed["error"].startswith("exit 1:") and "boom" in failed["error"]
+    silent = _workload.child_json([py, "-c", "print('X_JSONL {}')"], "X_JSON")
+    assert silent["error"].startswith("exit 0:")
+    env = {**os.environ, "RLKIT_CHILD_PROBE": "seen"}
+    probe = [py, "-c", "import json, os; print('X_JSON ' + json.dumps({'v': os.environ.get('RLKIT_CHILD_PROBE')}))"]
+    assert _workload.child_json(probe, "X_JSON", env=env)["v"] == "seen"
