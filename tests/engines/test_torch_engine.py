@@ -139,6 +139,45 @@ def test_stop_tokens_end_rows_and_mask_covers_them(model, prompts):
     assert ignored.response_mask.all() and ignored.truncated.all()
 
 
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=1.0, top_p=0.8),
+                                      dict(temperature=0.0)])
+def test_dropping_finished_rows_on_cpu_changes_no_sample(model, prompts, monkeypatch, sampling):
+    """The CPU decode drops finished rows from the step (``COMPACT_FINISHED_ROWS``): with the same
+    seed it must sample exactly what the full batch samples, with the same log-probs and flags."""
+    from rlkit.engines import torch_engine as te
+
+    params = SamplingParams(n=8, max_new_tokens=12, stop_token_ids=(4, 7, 9), **sampling)
+    sizes = []
+    compact = te.TorchEngine._compact
+
+    def spy(view, state):
+        out = compact(view, state)
+        sizes.append(out.tokens.shape[0])
+        return out
+
+    monkeypatch.setattr(te.TorchEngine, "_compact", staticmethod(spy))
+    dropped = TorchEngine.from_model(model).generate(prompts, params, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(te, "COMPACT_FINISHED_ROWS", 0.0)
+    n_compactions = len(sizes)
+    full = TorchEngine.from_model(model).generate(prompts, params, generator=torch.Generator().manual_seed(5))
+    assert len(sizes) == n_compactions  # off: no compaction
+    assert n_compactions >= 1 and sizes == sorted(sizes, reverse=True) and sizes[-1] < len(prompts) * 8 * 3 // 4, sizes
+    assert torch.equal(dropped.response_ids, full.response_ids)
+    assert torch.equal(dropped.response_mask, full.response_mask)
+    assert torch.equal(dropped.truncated, full.truncated)
+    torch.testing.assert_close(dropped.logprobs, full.logprobs, rtol=0, atol=1e-5)
+    assert 0 < int(full.response_mask.sum()) < full.response_mask.numel() and full.truncated.any() and not full.truncated.all()
+
+
+def test_cpu_decode_stops_once_every_row_has_finished(model, prompts, tok):
+    """With the rows dropped as they finish, the loop ends at the step after the last one finishes."""
+    every = tuple(range(len(tok)))  # any token stops: every row finishes at its first token
+    gen = TorchEngine.from_model(model).generate(prompts, SamplingParams(n=3, max_new_tokens=10, stop_token_ids=every),
+                                                 generator=torch.Generator().manual_seed(0))
+    assert gen.metrics["decode_steps"] == 1 and gen.response_mask.sum(-1).tolist() == [1] * 15
+    assert not gen.truncated.any()
+
+
 def test_shares_storage_and_sees_optimizer_steps(tok, prompts, refs):
     model = refs.make_model(tok)
     engine = TorchEngine.from_model(model)
