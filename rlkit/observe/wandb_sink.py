@@ -18,7 +18,9 @@ class WandbSink:
         self.run = wandb.init(project=project, config=config or {}, mode=mode, **init_kwargs)
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
-        self.run.log(metrics, step=step)
+        # commit now: by default wandb holds a step's values until the next step's arrive, and a
+        # run that dies before then (or before close) would lose its last step
+        self.run.log(metrics, step=step, commit=True)
 
     def close(self) -> None:
         self.run.finish()
