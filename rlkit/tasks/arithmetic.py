@@ -46,11 +46,13 @@ def arithmetic(
     """Arithmetic on random ``digits``-digit operands. ``ops`` any of ``+ - *``.
 
     The test set is disjoint from the training set. ``sft_examples`` (for the warm-up) come
-    from the training set, demonstrated by a teacher that, on additions that need a carry,
-    forgets the carry with probability ``teacher_error`` (``0``: a perfect teacher). The reward
-    always checks the true answer: the default job uses an imperfect teacher so the warm-up
-    learns a mixture of right and wrong behaviour, and RL against the verifier has to pick the
-    right one — the situation RL post-training is for.
+    from the training set, demonstrated by a teacher that errs on each example with probability
+    ``teacher_error`` (``0``: a perfect teacher), in the way ``teacher_noise`` names (see
+    :data:`TEACHER_NOISE`; the default, ``"verbose"``, appends a redundant ``"+0"``;
+    ``"forgot_carry"`` changes only additions that carry). The reward always checks the true
+    answer: the default job uses an imperfect teacher so the warm-up learns a mixture of right and
+    wrong behaviour, and RL against the verifier has to pick the right one — the situation RL
+    post-training is for.
     """
     if not 0.0 <= teacher_error <= 1.0:
         raise ValueError(f"teacher_error must be in [0, 1], got {teacher_error}")
@@ -106,5 +108,5 @@ def arithmetic(
         reward=exact_match,
         sft_examples=[(r["prompt"], demonstrate(r["prompt"], r["answer"])) for r in sft_rows],
         max_new_tokens=max_answer + 2,
-        info={"digits": digits, "ops": "".join(ops), "teacher_error": teacher_error},
+        info={"digits": digits, "ops": "".join(ops), "teacher_error": teacher_error, "teacher_noise": teacher_noise},
     )

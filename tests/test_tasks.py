@@ -1,0 +1,65 @@
+"""The built-in arithmetic task: its imperfect teacher errs as documented, at the rate asked."""
+import random
+
+import pytest
+
+import rlkit as rk
+from rlkit.tasks.arithmetic import TEACHER_NOISE, forgot_carry
+
+
+def _no_carry_sum(a: int, b: int) -> int:
+    """An independent reference for ``forgot_carry``: the digits of a + b, each taken mod 10, as strings."""
+    sa, sb = str(a), str(b)
+    width = max(len(sa), len(sb))
+    digits = [str((int(x) + int(y)) % 10) for x, y in zip(sa.zfill(width), sb.zfill(width))]
+    return int("".join(digits))
+
+
+def test_forgot_carry_drops_every_carry():
+    assert forgot_carry(57, 68) == 15 and forgot_carry(12, 34) == 46 and forgot_carry(99, 1) == 90
+    rng = random.Random(0)
+    for _ in range(500):
+        a, b = rng.randrange(0, 10**5), rng.randrange(0, 10**5)
+        assert forgot_carry(a, b) == _no_carry_sum(a, b), (a, b)
+
+
+@pytest.mark.parametrize("noise", TEACHER_NOISE)
+def test_the_teacher_errs_as_its_noise_says(noise):
+    task = rk.tasks.arithmetic(digits=2, n_train=400, n_sft=300, teacher_error=1.0, teacher_noise=noise)
+    assert task.info["teacher_noise"] == noise
+    width = len(str(2 * 99))
+    wrong = 0
+    for prompt, shown in task.sft_examples:
+        a, b = (int(x) for x in prompt[:-1].split("+"))
+        truth = str(a + b)
+        if noise == "verbose":
+            assert shown == truth + "+0"
+        elif noise == "zero_pad":
+            assert shown == truth.zfill(width)
+        elif noise == "random":
+            assert 0 <= int(shown) <= 2 * 99
+        else:
+            assert shown == str(forgot_carry(a, b))
+        wrong += shown != truth
+    # every demonstration is wrong, except where the noise leaves the answer as it is
+    # (zero_pad on 3-digit sums, forgot_carry without a carry, random by chance)
+    assert wrong >= {"verbose": 300, "zero_pad": 100, "random": 280, "forgot_carry": 100}[noise], wrong
+
+
+def test_teacher_error_is_the_rate_of_wrong_demonstrations():
+    perfect = rk.tasks.arithmetic(digits=2, n_train=400, n_sft=400, teacher_error=0.0)
+    assert all(shown == str(sum(int(x) for x in p[:-1].split("+"))) for p, shown in perfect.sft_examples)
+    task = rk.tasks.arithmetic(digits=2, n_train=2000, n_sft=2000, teacher_error=0.6)
+    verbose = sum(shown.endswith("+0") for _, shown in task.sft_examples) / 2000
+    assert abs(verbose - 0.6) < 4 * (0.6 * 0.4 / 2000) ** 0.5  # 4 standard errors
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(teacher_error=1.5), "teacher_error"),
+    (dict(teacher_noise="loud"), "teacher_noise"),
+    (dict(ops="/"), "ops"),
+    (dict(digits=0), "digits"),
+])
+def test_bad_arguments_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        rk.tasks.arithmetic(**kwargs)
