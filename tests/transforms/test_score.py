@@ -3,7 +3,7 @@ import torch
 
 import rlkit as rk
 from rlkit.batch import make_batch
-from rlkit.rewards import RewardModel, exact_match, extract_hash_answer, format_reward, math_answer
+from rlkit.rewards import RewardModel, exact_match, extract_hash_answer, format_reward, hash_format, math_answer
 
 
 def _batch():
@@ -42,6 +42,21 @@ def test_ready_made_rewards():
     fmt = format_reward(r"\d+")
     assert fmt(["12", "1a", " 7 "]) == [1.0, 0.0, 1.0]
     assert exact_match([" 1,000", "9"], ["1000", "8"]) == [1.0, 0.0]
+    # numbers compare as numbers; a reference that is not a number compares as text
+    assert math_answer(["#### 72.0", "#### -3", "#### 5"], ["72", "#### -3.00", "five"]) == [1.0, 1.0, 0.0]
+    assert hash_format(["x\n#### 12", "#### twelve", "12"]) == [1.0, 0.0, 0.0]
+
+
+def test_registry_errors_say_what_is_valid():
+    registry = rk.algos.POLICY_LOSSES
+    assert registry.get("ppo_clip") is registry.get(registry.get("ppo_clip"))  # a callable passes through
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo'.*ppo_clip"):
+        registry.get("ppo")
+    with pytest.raises(TypeError, match="a name .* or a callable, got int"):
+        registry.get(3)
+    with pytest.raises(ValueError, match="'ppo_clip' is already registered"):
+        registry.register("ppo_clip")(lambda *a, **k: None)
+    assert "ppo_clip" in registry and "ppo" not in registry and list(registry) == registry.names()
 
 
 def test_reward_model_role_scores_the_sequences(char_tok):
