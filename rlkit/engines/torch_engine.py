@@ -1361,7 +1361,7 @@ class TorchEngine:
         # can leave the finished ones out (see _compact and COMPACT_FINISHED_ROWS)
         compact = (COMPACT_FINISHED_ROWS and check_stops and self.device.type == "cpu" and not graphs
                    and not plan.compiled and plan.sampler is None and self.tp_size == 1)
-        view = state
+        view, view_plan = state, plan
         done = 1
         with torch.profiler.record_function("rlkit.engine.decode"):
             while done < steps:
@@ -1372,6 +1372,7 @@ class TorchEngine:
                         break
                     if live <= COMPACT_FINISHED_ROWS * view.tokens.shape[0]:
                         view = self._compact(view, state)
+                        view_plan = replace(plan, state=view)
                 if graphs:
                     length = min(p + steps, math.ceil(filled / self.cache_bucket) * self.cache_bucket)
                     self._graph_step(plan, length, params, generator)
@@ -1380,7 +1381,7 @@ class TorchEngine:
                     if params.temperature != 0:
                         # the draws the full batch's step would make, so a seed samples the same tokens
                         noise = self._noise((b, self.weights["lm_head.weight"].shape[0]), generator)[view.rows]
-                    self._decode_step_impl(replace(plan, state=view), filled, params, generator, noise)
+                    self._decode_step_impl(view_plan, filled, params, generator, noise)
                 else:
                     self._decode_step(plan, filled, params, generator)
                 done += 1

@@ -5,9 +5,10 @@ Uses ``prometheus-client`` (``pip install 'rlkit[metrics]'``), imported only whe
 ``PrometheusSink(port=9400)`` serves ``http://127.0.0.1:9400/metrics`` from a background thread;
 ``port=0`` takes a free port (``sink.port`` says which). ``close()`` stops the server and frees
 the port (``rk.fit`` leaves its sinks open, so that one sink can watch several calls), so that a
-notebook cell that builds the sink again does not fail with "address already in use". Metric names are ``{prefix}_{key}`` with every
-character outside ``[a-zA-Z0-9_]`` replaced by ``_`` (``reward/mean`` -> ``rlkit_reward_mean``);
-non-numeric values are skipped.
+notebook cell that builds the sink again does not fail with "address already in use".
+
+Metric names are ``{prefix}_{key}`` with every character outside ``[a-zA-Z0-9_]`` replaced by
+``_`` (``reward/mean`` -> ``rlkit_reward_mean``); non-numeric values are skipped.
 """
 from __future__ import annotations
 
