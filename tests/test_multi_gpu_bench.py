@@ -219,3 +219,22 @@ def test_trace_phases_by_name_with_repeats():
     assert list(rows) == ["rlkit.update.micro_batch", "rlkit.update.micro_batch#2"]
     assert rows["rlkit.update.micro_batch"]["idle_ms"] == pytest.approx(0.05)
     assert rows["rlkit.update.micro_batch#2"]["idle_ms"] == pytest.approx(0.0)
+
+
+def test_weight_sync_bench_checks_every_layout_exactly(tmp_path, child_env):
+    """benchmarks/weight_sync.py (the tutorial's sync table) on 2 gloo processes, tiny shape: FSDP
+    equals one process, every layout arrives equal to the training weights, and the bytes each
+    rank receives are what the layout says (every parameter for replicated, in its dtype)."""
+    out = tmp_path / "sync.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "benchmarks", "weight_sync.py"), "--check", "--sync", "--train", "--tiny",
+           "--repeats", "1", "--steps", "1", "--batch", "2", "--seq", "16", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(2), timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r.get("layout", r["what"]): r for r in json.loads(out.read_text())}
+    assert rows["fsdp_vs_single"]["grad_err"] < 1e-5 and rows["fsdp_vs_single"]["param_err"] < 1e-5
+    params = rows["model"]["params"]
+    assert rows["replicated_fp32"]["exact"] and rows["replicated_fp32"]["gbytes"] * 1e9 == pytest.approx(4 * params)
+    assert rows["replicated_bf16"]["exact"] and rows["replicated_bf16"]["gbytes"] * 1e9 == pytest.approx(2 * params)
+    assert rows["tp2_bf16"]["exact"] and rows["tp2_bf16"]["gbytes"] < rows["replicated_bf16"]["gbytes"]
+    assert rows["train"]["world"] == 2 and rows["train"]["tokens_per_second"] > 0

@@ -1,10 +1,12 @@
 """Measure weight sync (train -> generate) and FSDP training throughput. Run it on every rank:
 
-    rlkit launch --nproc-per-node 2 -m rlkit.parallel.bench --sync --train
-    rlkit launch --nproc-per-node 1 -m rlkit.parallel.bench --train      # the 1-GPU baseline
+    torchrun --nproc-per-node 2 benchmarks/weight_sync.py --check --sync --train
+    torchrun --nproc-per-node 1 benchmarks/weight_sync.py --train      # the 1-GPU baseline
+    torchrun --nproc-per-node 2 benchmarks/weight_sync.py --check --sync --tiny   # CPU smoke run (gloo)
 
-The model is Qwen2.5-0.5B-shaped with random init (no weights are downloaded). Rank 0 prints
-one JSON line per measurement. Sync numbers: ``seconds`` per sync (median of ``--repeats``),
+The model is Qwen2.5-0.5B-shaped with random init (no weights are downloaded); ``--tiny`` keeps
+its structure at a width a CPU syncs in milliseconds. Rank 0 prints one JSON line per
+measurement and, with ``--json``, writes them all to one file. Sync numbers: ``seconds`` per sync (median of ``--repeats``),
 ``gbps`` = bytes delivered to a rank / seconds, against ``copy_gbps``, a plain peer copy of
 the same number of bytes from GPU 0 to GPU 1 (bytes / seconds). Every sync is also checked for
 exact equality with the training weights.
@@ -105,6 +107,12 @@ def bench_train(model, steps: int, batch: int, seq: int, vocab: int) -> dict:
     }
 
 
+#: ``--tiny``: the same architecture (grouped-query attention, tied embeddings) at a CPU smoke
+#: run's size
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256)
+
+
 def check_fsdp_equivalence() -> dict:
     """FSDP over all ranks (each 1/n of the batch, SUM reduction, global token normaliser) vs. a
     plain model on the full batch, on this device: max gradient and parameter differences."""
@@ -152,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=None, help="override the layer count (smaller/faster runs)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model of the same architecture (CPU smoke runs)")
+    parser.add_argument("--json", default=None, help="rank 0 also writes every row here, as one JSON list")
     args = parser.parse_args(argv)
 
     from transformers import Qwen2ForCausalLM
@@ -162,7 +172,10 @@ def main(argv: list[str] | None = None) -> None:
 
     info = init_distributed()
     checks = [check_fsdp_equivalence()] if args.check else []
-    config = qwen25_05b_config(**({"num_hidden_layers": args.layers} if args.layers else {}))
+    shape = dict(TINY) if args.tiny else {}
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    config = qwen25_05b_config(**shape)
     torch.manual_seed(0)
     with torch.device(info.device):
         model = Qwen2ForCausalLM(config)
@@ -184,6 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     if info.rank == 0:
         for row in rows:
             print(json.dumps(row), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
     shutdown()
 
 
