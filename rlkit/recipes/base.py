@@ -15,7 +15,10 @@ def reward_metrics(batch: Batch) -> dict[str, float]:
     out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0}
     for k in batch.keys():
         if isinstance(k, str) and k.startswith("reward/"):
-            out[f"{k}_mean"] = float(batch[k].float().mean())
+            values = batch[k].float()
+            values = values[~torch.isnan(values)]  # NaN: the reward returned None there (did not apply)
+            if len(values):
+                out[f"{k}_mean"] = float(values.mean())
     group = batch["group"]
     _, inverse, counts = torch.unique(group, return_inverse=True, return_counts=True)
     if (counts > 1).any():

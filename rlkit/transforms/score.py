@@ -13,8 +13,14 @@ Accepted reward functions, detected by their signature, used unchanged:
 Several rewards: pass a list or a ``{name: fn}`` dict, with ``weights``; each one's value is kept
 as ``reward/<name>`` and ``rewards`` is their weighted sum.
 
-A reward that raises, returns NaN/inf or the wrong number of values is an error that names the
-reward and the sample (its row, prompt and response).
+A reward that raises, returns NaN/inf, text, or the wrong number of values is an error that names
+the reward and the sample (its row, prompt and response).
+
+``None`` follows TRL: a TRL-style function returns ``None`` for a sample it does not apply to (a
+math reward on a code prompt, in a mixed dataset). ``reward/<name>`` holds NaN there, and
+``rewards`` sums, with their weights, only the functions that scored the sample. Every sample needs
+a number from at least one function: where all of them return ``None`` TRL warns and gives the
+sample no advantage, while ``score`` stops with an error that names the sample.
 """
 from __future__ import annotations
 
@@ -175,14 +181,35 @@ def _run_one(fn: Callable, batch: Batch, prompts: Sequence[str], completions: Se
                 except Exception:  # noqa: BLE001
                     raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} on {_sample_desc(batch, i, prompts, completions)}") from exc
             raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} (on the whole batch; every sample alone succeeded)") from exc
-    try:
-        tensor = torch.as_tensor(values if isinstance(values, torch.Tensor) else [float(v) if v is not None else math.nan for v in values], dtype=torch.float32)
-    except (TypeError, ValueError) as exc:
-        raise RewardError(f"reward {name!r} must return numbers, got {str(values)[:200]}") from exc
-    tensor = tensor.detach().float().flatten().cpu()
+    if isinstance(values, torch.Tensor):
+        tensor = values.detach().float().flatten().cpu()
+        missing = torch.zeros(tensor.shape, dtype=torch.bool)
+    else:
+        values = list(values)
+        if len(values) != b:
+            raise RewardError(f"reward {name!r} returned {len(values)} values for a batch of {b} responses; return one number per completion")
+        numbers = []
+        for i, v in enumerate(values):
+            if v is None:
+                if style == "verl":
+                    raise RewardError(f"reward {name!r} returned None for {_sample_desc(batch, i, prompts, completions)}; "
+                                      "a verl-style compute_score must return a number (or a dict with a 'score' number)")
+                numbers.append(math.nan)
+                continue
+            try:
+                if isinstance(v, (str, bytes)):
+                    raise TypeError
+                numbers.append(float(v))
+            except (TypeError, ValueError):
+                raise RewardError(
+                    f"reward {name!r} returned {type(v).__name__} {str(v)[:60]!r} for {_sample_desc(batch, i, prompts, completions)}; "
+                    "return numbers (float, int or bool), or None for a sample the reward does not apply to"
+                ) from None
+        tensor = torch.tensor(numbers, dtype=torch.float32)
+        missing = torch.tensor([v is None for v in values], dtype=torch.bool)
     if tensor.numel() != b:
         raise RewardError(f"reward {name!r} returned {tensor.numel()} values for a batch of {b} responses; return one number per completion")
-    bad = (~torch.isfinite(tensor)).nonzero().flatten()
+    bad = (~torch.isfinite(tensor) & ~missing).nonzero().flatten()
     if len(bad):
         i = int(bad[0])
         raise RewardError(f"reward {name!r} returned {tensor[i].item()} for {_sample_desc(batch, i, prompts, completions)} ({len(bad)} non-finite in all); rewards must be finite numbers")
@@ -231,10 +258,22 @@ def score(
     prompts = _texts(batch, "prompt_text", tokenizer) if needs_text else []
     out = shallow_copy(batch)
     total = torch.zeros(batch.batch_size[0])
+    scored = torch.zeros(batch.batch_size[0], dtype=torch.bool)
     for key, fn in fns.items():
         with torch.profiler.record_function(f"rlkit.score.{key}"):
             values = _run_one(fn, batch, prompts, completions)
+        present = ~torch.isnan(values)  # NaN only where the function returned None (_run_one rejects real NaN)
+        scored |= present
         out.set(f"reward/{key}", values.to(batch.device) if batch.device is not None else values)
-        total += w[key] * values
+        total += w[key] * torch.where(present, values, 0.0)
+    unscored = (~scored).nonzero().flatten()
+    if len(unscored):
+        i = int(unscored[0])
+        which = "the reward function" if len(fns) == 1 else f"every one of the {len(fns)} reward functions"
+        raise RewardError(
+            f"{_sample_desc(batch, i, prompts, completions)} has no reward: {which} "
+            f"returned None for it ({len(unscored)} such sample(s)). None means 'does not apply', so each sample needs a "
+            "number from at least one reward; return 0.0 where a score of zero is meant, or add a reward that covers these samples"
+        )
     out.set("rewards", total.to(batch.device) if batch.device is not None else total)
     return out

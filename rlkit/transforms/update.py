@@ -21,6 +21,8 @@ handle raises :class:`rlkit.state.DonatedStateError` if used again.
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
 import warnings
 from typing import Any, Callable, Mapping
 
@@ -58,11 +60,20 @@ def _resolve_loss(loss: LossSpec, loss_kw: Mapping[str, Any] | None):
 def _resolve_kl(kl) -> tuple[str | Callable | None, float]:
     if kl is None:
         return None, 0.0
-    if isinstance(kl, (int, float)):
-        return "low_var_kl", float(kl)
-    if isinstance(kl, tuple) and len(kl) == 2:
-        return kl[0], float(kl[1])
-    raise TypeError(f"kl must be None, a coefficient, or (mode, coef) such as ('low_var_kl', 1e-3); got {kl!r}")
+    if isinstance(kl, (int, float)) and not isinstance(kl, bool):
+        mode, coef = "low_var_kl", kl
+    elif isinstance(kl, tuple) and len(kl) == 2:
+        mode, coef = kl
+    else:
+        raise TypeError(f"kl must be None, a coefficient, or (mode, coef) such as ('low_var_kl', 1e-3); got {kl!r}")
+    try:
+        coef = float(coef)
+    except (TypeError, ValueError):
+        raise TypeError(f"kl's coefficient must be a number, got {coef!r}; e.g. kl=('low_var_kl', 1e-3)") from None
+    if not math.isfinite(coef) or coef < 0:
+        # a negative coefficient would reward moving away from the reference; NaN would poison every loss
+        raise ValueError(f"kl's coefficient must be a finite number >= 0, got {coef}; 0 or kl=None turns the penalty off")
+    return mode, coef
 
 
 def _dp(state: TrainState):
@@ -79,6 +90,9 @@ def _global_sum(x: torch.Tensor, state: TrainState) -> torch.Tensor:
 
 
 def _check_sizes(b: int, mini: int | None, micro: int | None) -> tuple[int, int]:
+    for name, value in (("mini_batch_size", mini), ("micro_batch_size", micro)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+            raise ValueError(f"{name} must be a positive int or None (the whole batch), got {value!r}")
     mini = mini or b
     # micro_batch_size bounds the rows of one forward/backward (a memory knob): a mini-batch
     # smaller than it (e.g. this rank's share under data parallelism) runs in one piece

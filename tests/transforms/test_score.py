@@ -35,6 +35,50 @@ def test_reward_errors_name_the_sample():
         rk.score(_batch(), lambda completions, **_: [0.0, 1.0])
 
 
+def test_none_means_the_reward_does_not_apply_as_in_trl():
+    """TRL's convention for mixed datasets: a function returns None for a sample it does not apply
+    to; the weighted total sums only the functions that scored each sample (TRL: nansum over the
+    functions). Hand-worked: sample 0 scored by both (1*1 + 0.5*1), 1 only by 'verbose' (0.5*1), 2
+    only by 'exact' (1*0)."""
+    def exact(completions, answer, **_):
+        return [float(c == a) if i != 1 else None for i, (c, a) in enumerate(zip(completions, answer))]
+
+    def verbose(completions, **_):
+        return [float(len(c) == 1) if i != 2 else None for i, c in enumerate(completions)]
+
+    out = rk.score(_batch(), {"exact": exact, "verbose": verbose}, weights={"exact": 1.0, "verbose": 0.5})
+    assert out["rewards"].tolist() == [1.5, 0.5, 0.0]
+    assert torch.isnan(out["reward/exact"][1]) and torch.isnan(out["reward/verbose"][2])
+    assert out["reward/exact"][[0, 2]].tolist() == [1.0, 0.0]
+    from rlkit.recipes.base import reward_metrics
+
+    metrics = reward_metrics(out)
+    assert metrics["reward/exact_mean"] == 0.5 and metrics["reward/verbose_mean"] == 1.0  # over the samples scored
+    assert metrics["reward/mean"] == pytest.approx(2.0 / 3)
+
+    with pytest.raises(rk.RewardError, match="sample 1 .*has no reward: every one of the 2 reward functions returned None.*1 such"):
+        rk.score(_batch(), [exact, lambda completions, **_: [1.0, None, 0.0]])
+    with pytest.raises(rk.RewardError, match="sample 0 .*has no reward: the reward function returned None.*3 such.*return 0.0"):
+        rk.score(_batch(), lambda completions, **_: [None] * 3)
+
+
+def test_rewards_must_be_numbers():
+    with pytest.raises(rk.RewardError, match="returned str '1' for sample 0.*return numbers"):
+        rk.score(_batch(), lambda completions, **_: ["1", "0", "1"])
+    with pytest.raises(rk.RewardError, match="returned list .* for sample 2"):
+        rk.score(_batch(), lambda completions, **_: [1.0, 0.0, [1.0]])
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        return None
+
+    with pytest.raises(rk.RewardError, match="returned None for sample 0.*compute_score must return a number"):
+        rk.score(_batch(), compute_score)
+    # numbers of every kind are fine: bool, int, numpy scalars, 0-d tensors
+    np = pytest.importorskip("numpy")
+    out = rk.score(_batch(), lambda completions, **_: [True, np.float64(0.5), torch.tensor(2)])
+    assert out["rewards"].tolist() == [1.0, 0.5, 2.0]
+
+
 def test_ready_made_rewards():
     assert extract_hash_answer("so it is 12\n#### 1,234") == "1234"
     assert extract_hash_answer("no answer") is None

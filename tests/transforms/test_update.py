@@ -65,6 +65,24 @@ def test_kl_to_reference_is_zero_for_an_identical_reference(tiny_model, char_tok
     assert abs(metrics["actor/kl_loss"]) < 1e-6
 
 
+def test_kl_coefficient_must_be_finite_and_not_negative(tiny_model, char_tok):
+    """A negative coefficient would reward moving away from the reference, NaN would make every
+    loss NaN: both used to be accepted. The state is untouched by the refused calls."""
+    batch = _batch(tiny_model)
+    state = rk.init(tiny_model, rk.optim.adamw(lr=1e-3), tokenizer=char_tok, ref="copy")
+    before = _params(state.actor)
+    for kl, error, match in ((("low_var_kl", -0.1), ValueError, "finite number >= 0, got -0.1"),
+                             (-0.1, ValueError, "finite number >= 0, got -0.1"),
+                             (("k3", float("nan")), ValueError, "got nan"),
+                             (("k3", "0.1x"), TypeError, "must be a number, got '0.1x'")):
+        with pytest.raises(error, match=match):
+            rk.update(state, batch, kl=kl)
+    after = _params(state.actor)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    _, metrics = rk.update(state, batch, kl=("k3", 0))  # 0 is allowed: the penalty is off
+    assert "actor/kl_loss" not in metrics and "actor/pg_loss" in metrics
+
+
 def test_bad_sizes_and_missing_fields_name_the_problem(tiny_model, char_tok):
     batch = _batch(tiny_model)
     state = rk.init(tiny_model, rk.optim.adamw(lr=1e-3), tokenizer=char_tok)
@@ -72,6 +90,11 @@ def test_bad_sizes_and_missing_fields_name_the_problem(tiny_model, char_tok):
         rk.update(state, batch, micro_batch_size=3)
     with pytest.raises(ValueError, match="mini_batch_size=5 does not divide"):
         rk.update(state, batch, mini_batch_size=5)
+    # 0 used to mean "the whole batch" silently, as None does
+    with pytest.raises(ValueError, match="micro_batch_size must be a positive int or None.*got 0"):
+        rk.update(state, batch, micro_batch_size=0)
+    with pytest.raises(ValueError, match="mini_batch_size must be a positive int or None.*got 2.5"):
+        rk.update(state, batch, mini_batch_size=2.5)
     with pytest.raises(TypeError, match="no option"):
         rk.update(state, batch, loss_kw={"clip_ration": 0.2})
     with pytest.raises(ValueError, match="unknown policy loss 'ppo_clipp'"):
