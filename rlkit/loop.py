@@ -5,10 +5,11 @@ prompts, reward)`` and you can always write that loop yourself in a notebook cel
 """
 from __future__ import annotations
 
+import numbers
 import time
 from typing import Any, Callable, Iterable
 
-from rlkit.data import PromptSet
+from rlkit.data import PromptSet, load_prompts
 from rlkit.observe.sinks import broadcast
 
 
@@ -28,15 +29,29 @@ def fit(
 ):
     """Run ``recipe.step`` until ``state.step == steps``; returns ``(state, history)``.
 
-    Resumable: batches come from ``prompts.batch_at(state.data_position, ...)``, so a state
-    restored from a checkpoint continues with exactly the batches the uninterrupted run would see.
-    ``eval_fn(state) -> {"accuracy": ...}`` runs every ``eval_every`` steps (and at the end);
-    ``checkpointer.maybe_save(state)`` is called after every step when given.
+    ``prompts``: a :class:`rlkit.data.PromptSet`, or anything :func:`rlkit.load_prompts` reads (a
+    list of strings or dicts, a JSONL path, a ``datasets.Dataset``), tokenized with the state's
+    tokenizer. Resumable: batches come from ``prompts.batch_at(state.data_position, ...)``, so a
+    state restored from a checkpoint continues with exactly the batches the uninterrupted run
+    would see. ``eval_fn(state) -> {"accuracy": ...}`` runs every ``eval_every`` steps and after the
+    last step (``eval_every=0``: never); ``checkpointer.maybe_save(state)`` is called after every
+    step when given.
     """
     sinks = list(sinks)
     history: list[dict[str, float]] = []
     if steps < state.step:
         raise ValueError(f"steps={steps} is below the state's step {state.step}; the run is already past it")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int (prompts per step), got {batch_size!r}")
+    if isinstance(eval_every, bool) or not isinstance(eval_every, numbers.Integral) or eval_every < 0:
+        raise ValueError(f"eval_every must be an int >= 0 (0: no evaluation), got {eval_every!r}")
+    if eval_every and eval_fn is None:
+        raise ValueError(f"eval_every={eval_every} asks for evaluation but eval_fn is None; pass eval_fn=lambda state: {{...}} or eval_every=0")
+    if not hasattr(prompts, "batch_at"):
+        if state.tokenizer is None:
+            raise TypeError(f"prompts is a {type(prompts).__name__} and the state has no tokenizer to read it with; "
+                            "pass rk.load_prompts(prompts, tokenizer), or rk.init(..., tokenizer=...)")
+        prompts = load_prompts(prompts, state.tokenizer)
     t_start = time.perf_counter()
     while state.step < steps:
         batch_prompts = prompts.batch_at(state.data_position, batch_size, seed=state.seed, shuffle=shuffle)

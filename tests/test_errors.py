@@ -109,3 +109,24 @@ def test_job_option_types_are_checked():
         run_task("arithmetic", {"steps": "3"})
     with pytest.raises(ValueError, match="option 'batch_size' must be >= 1"):
         run_task("arithmetic", {"batch_size": 0})
+
+
+def test_fit_checks_its_arguments_and_reads_a_plain_prompt_list(task):
+    recipe = rk.recipes.get("grpo", n=2, max_new_tokens=3)
+    fresh = lambda: rk.init(rk.models.tiny(task.tokenizer, seed=0, hidden_size=64, intermediate_size=128),  # noqa: E731
+                            rk.optim.adamw(lr=1e-3), tokenizer=task.tokenizer)
+    with pytest.raises(ValueError, match="batch_size must be a positive int.*got 0"):
+        rk.fit(fresh(), recipe, task.reward, task.train, steps=1, batch_size=0)
+    with pytest.raises(ValueError, match="eval_every must be an int >= 0.*got -1"):
+        rk.fit(fresh(), recipe, task.reward, task.train, steps=1, batch_size=2, eval_every=-1)
+    with pytest.raises(ValueError, match="eval_every=5 asks for evaluation but eval_fn is None"):
+        rk.fit(fresh(), recipe, task.reward, task.train, steps=1, batch_size=2, eval_every=5)
+    # a plain list of rows is read with the state's tokenizer: the same run as with its PromptSet
+    rows = [{"prompt": text, "answer": answer} for text, answer in zip(task.train.text, task.train.columns["answer"])]
+    _, from_rows = rk.fit(fresh(), recipe, task.reward, rows, steps=2, batch_size=4)
+    _, from_set = rk.fit(fresh(), recipe, task.reward, rk.load_prompts(rows, task.tokenizer), steps=2, batch_size=4)
+    keys = ("reward/mean", "actor/pg_loss", "actor/entropy")
+    assert [[h[k] for k in keys] for h in from_rows] == [[h[k] for k in keys] for h in from_set]
+    bare = fresh().replace(tokenizer=None)  # e.g. a model loaded without its tokenizer
+    with pytest.raises(TypeError, match="prompts is a list and the state has no tokenizer.*rk.load_prompts"):
+        rk.fit(bare, recipe, task.reward, rows, steps=1, batch_size=2)
