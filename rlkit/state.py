@@ -125,6 +125,23 @@ def fold_in(seed: int, *path: int | str) -> int:
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
 
+def _checked_device(device: torch.device | str) -> torch.device:
+    """``device`` as a torch.device, or an error saying what this machine has (torch's own are an
+    AssertionError, "Torch not compiled with CUDA enabled", or a list of every device type)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}, but this torch ({torch.__version__}) sees no CUDA GPU; "
+                             "use device='cpu', or install a CUDA build of torch on a machine with a GPU")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}, but only {torch.cuda.device_count()} CUDA GPU(s) are visible "
+                             f"(cuda:0 to cuda:{torch.cuda.device_count() - 1}); check CUDA_VISIBLE_DEVICES")
+    return dev
+
+
 def generator(key: int, device: torch.device | str = "cpu") -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed(int(key))
@@ -162,7 +179,7 @@ def init(
     if not isinstance(spec, OptimizerSpec):
         raise TypeError(f"optimizer must be an rlkit OptimizerSpec (e.g. rk.optim.adamw(lr=1e-5)), got {type(spec).__name__}")
     if device is not None:
-        model = model.to(device)
+        model = model.to(_checked_device(device))
     if tokenizer is None:
         tokenizer = getattr(model, "rlkit_tokenizer", None)
     if isinstance(ref, str):

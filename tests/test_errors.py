@@ -130,3 +130,16 @@ def test_fit_checks_its_arguments_and_reads_a_plain_prompt_list(task):
     bare = fresh().replace(tokenizer=None)  # e.g. a model loaded without its tokenizer
     with pytest.raises(TypeError, match="prompts is a list and the state has no tokenizer.*rk.load_prompts"):
         rk.fit(bare, recipe, task.reward, rows, steps=1, batch_size=2)
+
+
+def test_init_names_a_device_this_machine_lacks(task):
+    import torch
+
+    model = rk.models.tiny(task.tokenizer, seed=0, hidden_size=64, intermediate_size=128)
+    with pytest.raises(ValueError, match="device='gpu' is not a device; use 'cpu', 'cuda' or 'cuda:N'"):
+        rk.init(model, rk.optim.adamw(lr=1e-3), device="gpu")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = f"cuda:{n}"  # one past the last visible GPU (cuda:0 on a CPU-only machine)
+    with pytest.raises(ValueError, match="sees no CUDA GPU.*device='cpu'" if n == 0 else "only .* CUDA GPU"):
+        rk.init(model, rk.optim.adamw(lr=1e-3), device=missing)
+    assert rk.init(model, rk.optim.adamw(lr=1e-3), device="cpu").device.type == "cpu"
