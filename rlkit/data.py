@@ -8,6 +8,7 @@ order fixed by ``(seed, epoch)`` so that resuming at ``data_position`` continues
 from __future__ import annotations
 
 import json
+import operator
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
@@ -31,8 +32,15 @@ class Prompts:
         return len(self.ids)
 
     def __getitem__(self, index) -> "Prompts":
-        if isinstance(index, int):
-            index = slice(index, index + 1)
+        """``prompts[i]``: row ``i`` as a one-row Prompts; ``prompts[a:b]``: those rows."""
+        if not isinstance(index, slice):
+            i = operator.index(index)
+            n = len(self.ids)
+            if not -n <= i < n:
+                # without this, iteration (which calls [0], [1], ... until IndexError) never ended
+                raise IndexError(f"prompt {index} out of range for {n} prompts")
+            i %= n
+            index = slice(i, i + 1)
         return Prompts(self.text[index], self.ids[index], {k: v[index] for k, v in self.columns.items()})
 
 
@@ -111,12 +119,17 @@ def load_prompts(
     truncate: bool = False,
     chat: bool = False,
 ) -> PromptSet:
-    """Load prompts from a list of strings/dicts, a JSONL path, or a ``datasets.Dataset``.
+    """Load prompts from a list of strings/dicts, a JSONL path, or a ``datasets.Dataset``
+    (a :class:`PromptSet` or :class:`Prompts`, already tokenized, is taken as it is).
 
     Every other key of a row (``answer``, ``ground_truth``, ``data_source``...) becomes a column
     that reward functions receive by name. A prompt longer than ``max_prompt_tokens`` is an error
     naming it, unless ``truncate=True`` (keeps the last tokens).
     """
+    if isinstance(source, PromptSet):
+        return source
+    if isinstance(source, Prompts):  # one batch, already tokenized: taken as it is
+        return PromptSet(list(source.text), list(source.ids), {k: list(v) for k, v in source.columns.items()})
     rows = _rows(source, prompt_key)
     if not rows:
         raise DataError("the prompt set is empty; give at least one prompt")
@@ -155,6 +168,8 @@ def as_prompts(prompts: Any, tokenizer) -> Prompts:
     """Accept a Prompts value, a list of strings, or a list of dicts for ``rollout``."""
     if isinstance(prompts, Prompts):
         return prompts
+    if isinstance(prompts, PromptSet):  # every prompt of the set
+        return Prompts(prompts.text, prompts.ids, prompts.columns)
     if isinstance(prompts, str):
         prompts = [prompts]
     if tokenizer is None:
