@@ -1,11 +1,12 @@
 """Held-out evaluation: greedy (or sampled) generation on a prompt set, scored by a reward."""
 from __future__ import annotations
 
+import numbers
 from typing import Callable
 
 import torch
 
-from rlkit.data import Prompts, PromptSet
+from rlkit.data import DataError, Prompts, PromptSet, load_prompts
 from rlkit.engines.base import SamplingParams
 
 
@@ -22,11 +23,19 @@ def evaluate(
     seed: int = 0,
     engine=None,
 ) -> dict[str, float]:
-    """Mean reward (= accuracy for 0/1 rewards) of ``model`` on ``prompts``; greedy by default."""
+    """Mean reward (= accuracy for 0/1 rewards) of ``model`` on ``prompts``; greedy by default.
+
+    ``prompts``: a PromptSet, a Prompts batch, or anything :func:`rlkit.load_prompts` reads."""
     from rlkit.engines.torch_engine import TorchEngine
     from rlkit.transforms.score import score
     from rlkit.transforms.rollout import batch_from_generation as from_generation
 
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise ValueError(f"evaluate: batch_size must be a positive int (prompts per generate call), got {batch_size!r}")
+    if not isinstance(prompts, (PromptSet, Prompts)):
+        prompts = load_prompts(prompts, tokenizer)  # a list of strings or rows, a JSONL path, a Dataset
+    if len(prompts) == 0:
+        raise DataError("evaluate got no prompts; an accuracy over none would be meaningless")
     eng = engine or TorchEngine.from_model(model)
     params = SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=temperature,
                             stop_token_ids=(tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())

@@ -6,7 +6,9 @@ RL update uses.
 """
 from __future__ import annotations
 
+import numbers
 import random
+from collections import abc
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -55,8 +57,19 @@ def warmup(
     """
     from rlkit.models.logprobs import response_logprobs
 
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+        raise ValueError(f"warmup: steps must be an int >= 0, got {steps!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise ValueError(f"warmup: batch_size must be a positive int, got {batch_size!r}")
     if not examples:
         raise ValueError("warmup got no examples")
+    for n, example in enumerate(examples):
+        if isinstance(example, (str, bytes)) or not isinstance(example, abc.Sequence) or len(example) != 2 \
+                or not all(isinstance(part, str) for part in example):
+            raise ValueError(f"warmup: example {n} is {example!r:.80}; each example must be a (prompt, completion) pair of strings, "
+                             "e.g. ('12+34=', '46')")
+    if steps == 0:  # nothing to train (rlkit run --sft-steps 0); the model is left as it is
+        return []
     device = next(model.parameters()).device
     spec = adamw(lr=lr, weight_decay=0.0, warmup_steps=min(warmup_steps, steps), total_steps=steps, schedule="cosine", min_lr_ratio=0.1)
     optimizer, scheduler = spec.build(model.parameters())

@@ -100,3 +100,42 @@ def test_observe_submodules_load_on_first_use():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["Dashboard", "ConsoleSink"]
+
+
+def test_zero_warmup_steps_leave_the_model_alone_and_bad_examples_are_named():
+    """``rlkit run arithmetic --sft-steps 0`` crashed: warmup(steps=0) built a cosine schedule over
+    0 steps ("schedule='cosine' needs total_steps")."""
+    import pytest
+
+    from rlkit.jobs import run_task
+
+    task = rk.tasks.arithmetic(n_train=32, n_test=8)
+    model = tiny(task.tokenizer, seed=0, hidden_size=64, intermediate_size=128)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert warmup(model, task.tokenizer, task.sft_examples, steps=0) == []
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="example 1 is '1\\+1=2'; each example must be a \\(prompt, completion\\) pair"):
+        warmup(model, task.tokenizer, [("1+1=", "2"), "1+1=2"], steps=1)
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
+        warmup(model, task.tokenizer, task.sft_examples, steps=1, batch_size=0)
+    with pytest.raises(ValueError, match="steps must be an int >= 0, got -1"):
+        warmup(model, task.tokenizer, task.sft_examples, steps=-1)
+    summary = run_task("arithmetic", {"sft_steps": 0, "steps": 1, "batch_size": 2, "n": 2, "eval_size": 4, "quiet": True})
+    assert summary["steps"] == 1 and summary["accuracy_before_rl"] is not None
+
+
+def test_evaluate_reads_plain_prompts_and_refuses_an_empty_set():
+    import pytest
+
+    from rlkit.data import DataError
+
+    task = rk.tasks.arithmetic(n_train=32, n_test=8)
+    model = tiny(task.tokenizer, seed=0, hidden_size=64, intermediate_size=128)
+    rows = [{"prompt": t, "answer": a} for t, a in zip(task.test.text, task.test.columns["answer"])]
+    from_rows = rk.evaluate(model, task.tokenizer, rows, task.reward, max_new_tokens=4, batch_size=3)
+    from_set = rk.evaluate(model, task.tokenizer, task.test, task.reward, max_new_tokens=4)
+    assert from_rows == from_set and from_rows["n"] == len(task.test)
+    with pytest.raises(DataError, match="empty"):
+        rk.evaluate(model, task.tokenizer, [], task.reward)
+    with pytest.raises(ValueError, match="batch_size must be a positive int.*got 0"):
+        rk.evaluate(model, task.tokenizer, task.test, task.reward, batch_size=0)
