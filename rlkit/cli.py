@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -95,7 +96,16 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=run)
     sub.add_parser("launch", help="torchrun-style launcher: rlkit launch --nproc-per-node N script.py")
     args = parser.parse_args(argv)
-    return args.fn(args)
+    if args.command != "run" or os.environ.get("RLKIT_TRACEBACK") == "1":
+        return args.fn(args)
+    from rlkit.checkpoint import CheckpointError
+
+    try:
+        return args.fn(args)
+    except (ValueError, CheckpointError) as e:
+        # a bad option or input: its message names the fix, a traceback would bury it
+        print(f"rlkit run: error: {e}\n(RLKIT_TRACEBACK=1 shows where it was raised)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

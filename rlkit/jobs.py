@@ -99,6 +99,25 @@ def _options(options: dict[str, Any] | None) -> argparse.Namespace:
     return argparse.Namespace(**merged)
 
 
+def _check_before_warmup(opts: argparse.Namespace) -> None:
+    """Options that would otherwise fail only at the first RL step, after minutes of warm-up."""
+    from rlkit import recipes
+    from rlkit.engines.base import SamplingParams
+    from rlkit.state import _checked_device
+    from rlkit.transforms.advantage import GROUP_ESTIMATORS
+
+    if opts.nproc_per_node is not None and opts.nproc_per_node < 1:
+        raise ValueError(f"option 'nproc_per_node' must be >= 1, got {opts.nproc_per_node}")
+    _checked_device(opts.device)
+    SamplingParams(n=opts.n, max_new_tokens=1, temperature=opts.temperature)  # raises on a bad temperature
+    recipe = recipes.get(opts.algo)
+    if opts.n < 2 and not recipe.needs_critic() and getattr(recipe, "estimator", "grpo") in GROUP_ESTIMATORS:
+        raise ValueError(f"option 'n' is {opts.n}, but --algo {opts.algo} compares the samples of each prompt with each "
+                         "other; use --n 2 or more (or --algo ppo, whose critic needs no groups)")
+    if opts.kl < 0:
+        raise ValueError(f"option 'kl' must be >= 0 (0: no reference), got {opts.kl}")
+
+
 def _resume_target(opts: argparse.Namespace):
     """The checkpoint ``--resume`` points at, or None (a fresh start).
 
@@ -135,6 +154,7 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     from rlkit.state import init
 
     opts = _options({**(options or {}), "task": task_name})
+    _check_before_warmup(opts)
     resume_from = _resume_target(opts)
     t_start = time.perf_counter()
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1

@@ -34,3 +34,31 @@ def test_run_on_two_processes_writes_a_loadable_model(tmp_path, child_env):
 
     model = rk.models.load_model(tmp_path / "model")
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--n", "1"], "option 'n' is 1, but --algo grpo compares the samples of each prompt.*--n 2"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--kl", "-0.1"], "option 'kl' must be >= 0"),
+    (["--nproc-per-node", "0"], "option 'nproc_per_node' must be >= 1"),
+    (["--device", "gpu"], "device='gpu' is not a device"),
+])
+def test_run_refuses_bad_options_before_the_warm_up_with_a_message(args, message, monkeypatch, capsys):
+    """These options used to fail at the first RL step, after the warm-up (about 1.5 min by
+    default), with a traceback; now they stop at once, with the message and exit status 2."""
+    import re
+
+    import rlkit.sft
+    from rlkit.cli import main
+
+    def no_warmup(*a, **k):
+        raise AssertionError("the warm-up ran before the options were checked")
+
+    monkeypatch.setattr(rlkit.sft, "warmup", no_warmup)
+    monkeypatch.delenv("RLKIT_TRACEBACK", raising=False)
+    assert main(["run", "arithmetic", "--quiet", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlkit run: error: ") and re.search(message, err) and "Traceback" not in err
+    monkeypatch.setenv("RLKIT_TRACEBACK", "1")
+    with pytest.raises(ValueError, match=message):
+        main(["run", "arithmetic", "--quiet", *args])
