@@ -114,6 +114,10 @@ def make_batch(
     p_ids, p_mask = _pad_left(prompt_ids, pad_token_id)
     r_ids, r_mask = _pad_right(response_ids, pad_token_id)
     b = len(prompt_ids)
+    per_row = {"group": group, "logprobs": logprobs, "rewards": rewards, **{f"columns[{k!r}]": v for k, v in (columns or {}).items()}}
+    for name, values in per_row.items():
+        if values is not None and len(values) != b:
+            raise BatchError(f"{name} has {len(values)} values for {b} rows; give one per response")
     fields: dict[str, Any] = {
         "prompt_ids": p_ids,
         "prompt_mask": p_mask,

@@ -112,3 +112,13 @@ def test_pad_left_and_right_equal_a_row_by_row_reference():
             ids, mask = pad_fn(rows, 7)
             want_ids, want_mask = reference(rows, 7, left)
             assert torch.equal(ids, want_ids) and torch.equal(mask, want_mask) and mask.dtype == torch.bool
+
+
+def test_make_batch_names_a_per_row_argument_of_the_wrong_length():
+    """A ``rewards`` list one short used to surface as tensordict's "batch dimension mismatch"."""
+    for kw, name in ((dict(rewards=[1.0]), "rewards"), (dict(group=[0]), "group"), (dict(logprobs=[[0.1]]), "logprobs"),
+                     (dict(columns={"answer": ["1"]}), "columns\\['answer'\\]")):
+        with pytest.raises(BatchError, match=f"{name} has 1 values for 2 rows; give one per response"):
+            make_batch([[1], [2]], [[2], [3]], **kw)
+    ok = make_batch([[1], [2]], [[2], [3]], rewards=[1.0, 0.0], group=[0, 0], columns={"answer": ["1", "2"]})
+    assert ok["rewards"].tolist() == [1.0, 0.0] and column(ok, "answer") == ["1", "2"]

@@ -143,3 +143,20 @@ def test_init_names_a_device_this_machine_lacks(task):
     with pytest.raises(ValueError, match="sees no CUDA GPU.*device='cpu'" if n == 0 else "only .* CUDA GPU"):
         rk.init(model, rk.optim.adamw(lr=1e-3), device=missing)
     assert rk.init(model, rk.optim.adamw(lr=1e-3), device="cpu").device.type == "cpu"
+
+
+def test_recipes_check_their_fields_when_built():
+    """Bad sampling or update values used to pass ``rk.recipes.get`` and fail at the first rollout
+    or update (a float ``kl`` at the first step, in ``needs_ref``)."""
+    for kw, match in (({"n": -1}, "GRPO: SamplingParams.n must be >= 1"),
+                      ({"temperature": -1.0}, "GRPO: SamplingParams.temperature must be >= 0"),
+                      ({"kl": ("low_var_kl", -1.0)}, "kl's coefficient must be a finite number >= 0"),
+                      ({"micro_batch_size": 0}, "GRPO.micro_batch_size must be a positive int or None, got 0"),
+                      ({"epochs": 0}, "GRPO.epochs must be a positive int, got 0")):
+        with pytest.raises(ValueError, match=match):
+            rk.recipes.get("grpo", **kw)
+    with pytest.raises(ValueError, match="CriticFree: SamplingParams.n must be >= 1, got 0"):
+        rk.recipes.get("rloo").with_(n=0)
+    recipe = rk.recipes.get("grpo", kl=0.01)  # a bare coefficient, as update takes it
+    assert recipe.kl == ("low_var_kl", 0.01) and recipe.needs_ref()
+    assert not rk.recipes.get("grpo", kl=0.0).needs_ref()

@@ -1,6 +1,7 @@
 """What every recipe shares: a frozen config with ``step(state, prompts, reward) -> (state, metrics)``."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -50,6 +51,26 @@ class Recipe:
     epochs: int = 1
     max_grad_norm: float | None = 1.0
     engine: str | None = None
+
+    def __post_init__(self):
+        # checked when the recipe is built (rk.recipes.get, with_), not at its first rollout
+        from rlkit.engines.base import SamplingParams
+        from rlkit.transforms.update import _resolve_kl
+
+        name = type(self).__name__
+        try:
+            SamplingParams(n=self.n, max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        if self.kl is not None:
+            mode, coef = _resolve_kl(self.kl)
+            object.__setattr__(self, "kl", (mode, coef))  # kl=1e-3 means ("low_var_kl", 1e-3), as in update
+        for field_name in ("mini_batch_size", "micro_batch_size", "epochs"):
+            value = getattr(self, field_name)
+            if value is None and field_name != "epochs":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name}.{field_name} must be a positive int{'' if field_name == 'epochs' else ' or None'}, got {value!r}")
 
     def with_(self, **changes) -> "Recipe":
         return replace(self, **changes)
