@@ -122,8 +122,7 @@ def check_fsdp_equivalence() -> dict:
     from rlkit.parallel.mesh import device_mesh, world
 
     info = world()
-    config = qwen25_05b_config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, vocab_size=40, tie_word_embeddings=False)
+    config = qwen25_05b_config(**{**TINY, "vocab_size": 40, "tie_word_embeddings": False})
 
     def build():
         torch.manual_seed(0)
@@ -131,7 +130,7 @@ def check_fsdp_equivalence() -> dict:
             return Qwen2ForCausalLM(config)
 
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 40, (4 * info.world_size, 9), generator=g).to(info.device)
+    ids = torch.randint(0, config.vocab_size, (4 * info.world_size, 9), generator=g).to(info.device)
     mask = (torch.rand(ids.shape[0], 8, generator=g) > 0.3).to(info.device)
 
     def loss_of(model, ids, mask, n_tokens):

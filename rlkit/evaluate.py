@@ -1,11 +1,11 @@
 """Held-out evaluation: greedy (or sampled) generation on a prompt set, scored by a reward."""
 from __future__ import annotations
 
-import numbers
 from typing import Callable
 
 import torch
 
+from rlkit._checks import int_at_least
 from rlkit.data import DataError, Prompts, PromptSet, load_prompts
 from rlkit.engines.base import SamplingParams
 
@@ -30,8 +30,7 @@ def evaluate(
     from rlkit.transforms.score import score
     from rlkit.transforms.rollout import batch_from_generation as from_generation
 
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-        raise ValueError(f"evaluate: batch_size must be a positive int (prompts per generate call), got {batch_size!r}")
+    int_at_least(batch_size, "evaluate: batch_size", 1, " (prompts per generate call)")
     if not isinstance(prompts, (PromptSet, Prompts)):
         prompts = load_prompts(prompts, tokenizer)  # a list of strings or rows, a JSONL path, a Dataset
     if len(prompts) == 0:

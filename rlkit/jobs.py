@@ -99,23 +99,24 @@ def _options(options: dict[str, Any] | None) -> argparse.Namespace:
     return argparse.Namespace(**merged)
 
 
-def _check_before_warmup(opts: argparse.Namespace) -> None:
-    """Options that would otherwise fail only at the first RL step, after minutes of warm-up."""
+def _recipe_before_warmup(opts: argparse.Namespace):
+    """The job's recipe, with its sampling and KL options, built (and so checked) before the
+    warm-up, with the options that would otherwise fail only at the first RL step."""
     from rlkit import recipes
-    from rlkit.engines.base import SamplingParams
     from rlkit.state import _checked_device
     from rlkit.transforms.advantage import GROUP_ESTIMATORS
 
     if opts.nproc_per_node is not None and opts.nproc_per_node < 1:
         raise ValueError(f"option 'nproc_per_node' must be >= 1, got {opts.nproc_per_node}")
     _checked_device(opts.device)
-    SamplingParams(n=opts.n, max_new_tokens=1, temperature=opts.temperature)  # raises on a bad temperature
-    recipe = recipes.get(opts.algo)
+    if opts.kl < 0:
+        raise ValueError(f"option 'kl' must be >= 0 (0: no reference), got {opts.kl}")
+    recipe = recipes.get(opts.algo, n=opts.n, temperature=opts.temperature,  # the recipe checks these
+                         kl=("low_var_kl", opts.kl) if opts.kl else None)
     if opts.n < 2 and not recipe.needs_critic() and getattr(recipe, "estimator", "grpo") in GROUP_ESTIMATORS:
         raise ValueError(f"option 'n' is {opts.n}, but --algo {opts.algo} compares the samples of each prompt with each "
                          "other; use --n 2 or more (or --algo ppo, whose critic needs no groups)")
-    if opts.kl < 0:
-        raise ValueError(f"option 'kl' must be >= 0 (0: no reference), got {opts.kl}")
+    return recipe
 
 
 def _resume_target(opts: argparse.Namespace):
@@ -143,7 +144,7 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     """Warm up a tiny model on ``task_name``, run RL, evaluate before/after; return the summary."""
     from rich.console import Console
 
-    from rlkit import recipes, tasks
+    from rlkit import tasks
     from rlkit.evaluate import evaluate
     from rlkit.loop import fit
     from rlkit.models import tiny
@@ -154,7 +155,7 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     from rlkit.state import init
 
     opts = _options({**(options or {}), "task": task_name})
-    _check_before_warmup(opts)
+    recipe = _recipe_before_warmup(opts)
     resume_from = _resume_target(opts)
     t_start = time.perf_counter()
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -170,7 +171,6 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
             opts.device = f"cuda:{info.local_rank}"
             torch.cuda.set_device(info.local_rank)
     console = Console(stderr=True, quiet=opts.quiet or rank != 0)
-    recipe = recipes.get(opts.algo)
     task = tasks.get(task_name, **({"teacher_error": opts.teacher_error} if task_name == "arithmetic" else {}))
     device = torch.device(opts.device)
     torch.manual_seed(opts.seed)
@@ -197,14 +197,13 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
         acc_before = accuracy(model)
         console.print(f"held-out accuracy after warm-up: [bold]{acc_before:.3f}[/bold]")
 
-    kl = ("low_var_kl", opts.kl) if opts.kl else None
-    recipe = recipe.with_(n=opts.n, max_new_tokens=task.max_new_tokens, temperature=opts.temperature, kl=kl)
+    recipe = recipe.with_(max_new_tokens=task.max_new_tokens)
     critic = None
     if recipe.needs_critic():
         from rlkit.models import critic as make_critic
 
         critic = make_critic(model)
-    state = init(model, adamw(lr=opts.lr, weight_decay=0.0), tokenizer=tok, ref="copy" if kl else None, critic=critic, seed=opts.seed)
+    state = init(model, adamw(lr=opts.lr, weight_decay=0.0), tokenizer=tok, ref="copy" if recipe.needs_ref() else None, critic=critic, seed=opts.seed)
     if distributed:
         from rlkit.pipeline import Pipeline
 

@@ -5,10 +5,10 @@ prompts, reward)`` and you can always write that loop yourself in a notebook cel
 """
 from __future__ import annotations
 
-import numbers
 import time
 from typing import Any, Callable, Iterable
 
+from rlkit._checks import int_at_least
 from rlkit.data import PromptSet, load_prompts
 from rlkit.observe.sinks import broadcast
 
@@ -41,10 +41,8 @@ def fit(
     history: list[dict[str, float]] = []
     if steps < state.step:
         raise ValueError(f"steps={steps} is below the state's step {state.step}; the run is already past it")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int (prompts per step), got {batch_size!r}")
-    if isinstance(eval_every, bool) or not isinstance(eval_every, numbers.Integral) or eval_every < 0:
-        raise ValueError(f"eval_every must be an int >= 0 (0: no evaluation), got {eval_every!r}")
+    int_at_least(batch_size, "batch_size", 1, " (prompts per step)")
+    int_at_least(eval_every, "eval_every", 0, " (0: no evaluation)")
     if eval_every and eval_fn is None:
         raise ValueError(f"eval_every={eval_every} asks for evaluation but eval_fn is None; pass eval_fn=lambda state: {{...}} or eval_every=0")
     if not hasattr(prompts, "batch_at"):

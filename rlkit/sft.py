@@ -6,13 +6,13 @@ RL update uses.
 """
 from __future__ import annotations
 
-import numbers
 import random
 from collections import abc
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from rlkit._checks import int_at_least
 from rlkit.batch import make_batch
 from rlkit.observe.sinks import CallbackSink, broadcast
 from rlkit.optim import adamw
@@ -57,10 +57,8 @@ def warmup(
     """
     from rlkit.models.logprobs import response_logprobs
 
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
-        raise ValueError(f"warmup: steps must be an int >= 0, got {steps!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-        raise ValueError(f"warmup: batch_size must be a positive int, got {batch_size!r}")
+    int_at_least(steps, "warmup: steps", 0)
+    int_at_least(batch_size, "warmup: batch_size", 1)
     if not examples:
         raise ValueError("warmup got no examples")
     for n, example in enumerate(examples):

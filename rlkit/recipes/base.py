@@ -1,12 +1,12 @@
 """What every recipe shares: a frozen config with ``step(state, prompts, reward) -> (state, metrics)``."""
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
 
+from rlkit._checks import int_at_least
 from rlkit.batch import Batch
 
 
@@ -65,12 +65,10 @@ class Recipe:
         if self.kl is not None:
             mode, coef = _resolve_kl(self.kl)
             object.__setattr__(self, "kl", (mode, coef))  # kl=1e-3 means ("low_var_kl", 1e-3), as in update
-        for field_name in ("mini_batch_size", "micro_batch_size", "epochs"):
-            value = getattr(self, field_name)
-            if value is None and field_name != "epochs":
-                continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name}.{field_name} must be a positive int{'' if field_name == 'epochs' else ' or None'}, got {value!r}")
+        for field_name in ("mini_batch_size", "micro_batch_size"):
+            if getattr(self, field_name) is not None:
+                int_at_least(getattr(self, field_name), f"{name}.{field_name}", 1, " or None")
+        int_at_least(self.epochs, f"{name}.epochs", 1)
 
     def with_(self, **changes) -> "Recipe":
         return replace(self, **changes)

@@ -181,34 +181,35 @@ def _run_one(fn: Callable, batch: Batch, prompts: Sequence[str], completions: Se
                 except Exception:  # noqa: BLE001
                     raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} on {_sample_desc(batch, i, prompts, completions)}") from exc
             raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} (on the whole batch; every sample alone succeeded)") from exc
+    try:
+        values = values.detach().float().flatten().cpu() if isinstance(values, torch.Tensor) else list(values)
+    except TypeError:
+        raise RewardError(f"reward {name!r} must return one number per completion (a list or a tensor), "
+                          f"got {type(values).__name__} {str(values)[:60]!r}") from None
+    if len(values) != b:  # before the per-sample checks, whose messages name rows
+        raise RewardError(f"reward {name!r} returned {len(values)} values for a batch of {b} responses; return one number per completion")
     if isinstance(values, torch.Tensor):
-        tensor = values.detach().float().flatten().cpu()
-        missing = torch.zeros(tensor.shape, dtype=torch.bool)
+        tensor, missing = values, torch.zeros(b, dtype=torch.bool)
     else:
-        values = list(values)
-        if len(values) != b:
-            raise RewardError(f"reward {name!r} returned {len(values)} values for a batch of {b} responses; return one number per completion")
-        numbers = []
+        floats = []
         for i, v in enumerate(values):
             if v is None:
                 if style == "verl":
                     raise RewardError(f"reward {name!r} returned None for {_sample_desc(batch, i, prompts, completions)}; "
                                       "a verl-style compute_score must return a number (or a dict with a 'score' number)")
-                numbers.append(math.nan)
+                floats.append(math.nan)
                 continue
             try:
                 if isinstance(v, (str, bytes)):
                     raise TypeError
-                numbers.append(float(v))
+                floats.append(float(v))
             except (TypeError, ValueError):
                 raise RewardError(
                     f"reward {name!r} returned {type(v).__name__} {str(v)[:60]!r} for {_sample_desc(batch, i, prompts, completions)}; "
                     "return numbers (float, int or bool), or None for a sample the reward does not apply to"
                 ) from None
-        tensor = torch.tensor(numbers, dtype=torch.float32)
+        tensor = torch.tensor(floats, dtype=torch.float32)
         missing = torch.tensor([v is None for v in values], dtype=torch.bool)
-    if tensor.numel() != b:
-        raise RewardError(f"reward {name!r} returned {tensor.numel()} values for a batch of {b} responses; return one number per completion")
     bad = (~torch.isfinite(tensor) & ~missing).nonzero().flatten()
     if len(bad):
         i = int(bad[0])

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import inspect
 import math
-import numbers
 import warnings
 from typing import Any, Callable, Mapping
 
 import torch
 
+from rlkit._checks import int_at_least
 from rlkit.algos.kl import kl_penalty
 from rlkit.algos.losses import POLICY_LOSSES, aggregate, value_loss
 from rlkit.batch import Batch, BatchError, validate
@@ -91,8 +91,8 @@ def _global_sum(x: torch.Tensor, state: TrainState) -> torch.Tensor:
 
 def _check_sizes(b: int, mini: int | None, micro: int | None) -> tuple[int, int]:
     for name, value in (("mini_batch_size", mini), ("micro_batch_size", micro)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
-            raise ValueError(f"{name} must be a positive int or None (the whole batch), got {value!r}")
+        if value is not None:
+            int_at_least(value, name, 1, " or None (the whole batch)")
     mini = mini or b
     # micro_batch_size bounds the rows of one forward/backward (a memory knob): a mini-batch
     # smaller than it (e.g. this rank's share under data parallelism) runs in one piece

@@ -67,6 +67,8 @@ def test_rewards_must_be_numbers():
         rk.score(_batch(), lambda completions, **_: ["1", "0", "1"])
     with pytest.raises(rk.RewardError, match="returned list .* for sample 2"):
         rk.score(_batch(), lambda completions, **_: [1.0, 0.0, [1.0]])
+    with pytest.raises(rk.RewardError, match="must return one number per completion .*got float '1.0'"):
+        rk.score(_batch(), lambda batch: 1.0)  # batch style, one number for the whole batch
 
     def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         return None
