@@ -277,8 +277,11 @@ class Packed:
     - input_ids     (n)  long: all rows' prompt then response tokens, back to back
     - position_ids  (n)  long: restart at 0 for each row
     - cu_seqlens    (b+1) int32: row boundaries (flash-attention convention)
-    - response_index (m) long: positions in ``input_ids`` holding response tokens
-      (``m = response_mask.sum()``); the logit predicting it sits at ``response_index - 1``
+    - response_index (m') long: positions in ``input_ids`` holding response tokens (all
+      ``m = response_mask.sum()`` of them; with ``drop_last`` every row's last one is left out)
+    - predict_index (m)  long: for each response token, row-major over ``response_mask``, the
+      position whose output predicts it (the token before it: a row's last prompt token for its
+      first response token)
     """
 
     input_ids: torch.Tensor
@@ -286,12 +289,27 @@ class Packed:
     cu_seqlens: torch.Tensor
     response_index: torch.Tensor
     max_seqlen: int
+    predict_index: torch.Tensor
 
 
-def packed(batch: Batch) -> Packed:
-    """Pack prompt+response of every row into one padding-free sequence (vectorised)."""
-    p_ids, p_mask = batch["prompt_ids"], batch["prompt_mask"]
-    r_ids, r_mask = batch["response_ids"], batch["response_mask"]
+def input_response_mask(response_mask: torch.Tensor) -> torch.Tensor:
+    """The response tokens a forward needs as inputs to predict every response token: all but
+    each row's last (right-padded ``response_mask``). The last one's output would predict the
+    token after the response, which nothing scores, and no earlier token attends to it."""
+    response_mask = response_mask.bool()
+    return torch.cat([response_mask[:, 1:], torch.zeros_like(response_mask[:, :1])], dim=1) & response_mask
+
+
+def packed(batch: Batch, *, drop_last: bool = False) -> Packed:
+    """Pack prompt+response of every row into one padding-free sequence (vectorised).
+
+    ``drop_last``: leave each row's last response token out of the sequence
+    (:func:`input_response_mask`). What a forward that only needs the predictions of the response
+    tokens (log-probs, values, the training loss) runs on: one token fewer per row, the same
+    outputs at ``predict_index``."""
+    p_ids, p_mask = batch["prompt_ids"], batch["prompt_mask"].bool()
+    r_ids, full_r_mask = batch["response_ids"], batch["response_mask"].bool()
+    r_mask = input_response_mask(full_r_mask) if drop_last else full_r_mask
     ids = torch.cat([p_ids, r_ids], dim=1)
     mask = torch.cat([p_mask, r_mask], dim=1)
     is_response = torch.cat([torch.zeros_like(p_mask), r_mask], dim=1)
@@ -302,7 +320,14 @@ def packed(batch: Batch) -> Packed:
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=ids.device)
     cu[1:] = lengths.cumsum(0)
     response_index = is_response.flatten()[flat_mask].nonzero().flatten()
-    return Packed(input_ids, position_ids, cu, response_index, int(lengths.max()) if len(lengths) else 0)
+    # response token t of a row is predicted by its segment's position p_len - 1 + t: the row's
+    # last r_len positions with drop_last, the positions just before its response tokens without
+    r_len = full_r_mask.sum(1)
+    first = cu[:-1].long() + p_mask.sum(1) - 1  # each row's last prompt token
+    owner = torch.repeat_interleave(torch.arange(len(r_len), device=ids.device), r_len)
+    offsets = torch.arange(int(r_len.sum()), device=ids.device) - (r_len.cumsum(0) - r_len)[owner]
+    predict_index = first[owner] + offsets
+    return Packed(input_ids, position_ids, cu, response_index, int(lengths.max()) if len(lengths) else 0, predict_index)
 
 
 def unpack_response(values: torch.Tensor, batch: Batch) -> torch.Tensor:

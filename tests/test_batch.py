@@ -31,6 +31,19 @@ def test_packed_view_round_trips_responses():
     assert torch.equal(back, b["response_ids"] * b["response_mask"])
 
 
+def test_packed_view_can_leave_out_each_rows_last_response_token():
+    b = make_batch([[5, 6], [7], [8]], [[1, 2, 3], [4], []], pad_token_id=0)
+    full, short = packed(b), packed(b, drop_last=True)
+    assert short.input_ids.tolist() == [5, 6, 1, 2, 7, 8]
+    assert short.position_ids.tolist() == [0, 1, 2, 3, 0, 0]
+    assert short.cu_seqlens.tolist() == [0, 4, 5, 6] and short.max_seqlen == 4
+    assert short.input_ids[short.response_index].tolist() == [1, 2]
+    # both predict every response token from the token before it
+    for pk in (full, short):
+        assert pk.input_ids[pk.predict_index].tolist() == [6, 1, 2, 7]
+    assert full.predict_index.tolist() == (full.response_index - 1).tolist()
+
+
 def test_validation_names_the_field():
     b = make_batch([[1], [2]], [[3], [4]])
     b.set("advantages", torch.zeros(2, 5))

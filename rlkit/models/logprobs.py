@@ -62,7 +62,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rlkit._triton import lazy_kernels
-from rlkit.batch import packed
+from rlkit.batch import input_response_mask, packed
 from rlkit.engines.torch_engine import _additive_mask, _small_attention
 
 #: Triton and ``triton.language``, put here by :func:`rlkit._triton.lazy_kernels` when the kernels
@@ -278,8 +278,9 @@ def _unpad_index(slot_tables: list[torch.Tensor], n: int) -> torch.Tensor:
 class SharedPrefix:
     """Packed layout where consecutive rows with the same prompt share one copy of it.
 
-    The sequence is ``[prompt_g, response_g1, ..., response_gn]`` per group ``g``; position ids
-    continue the prompt in every response. Attention: prompt tokens are causal among their
+    The sequence is ``[prompt_g, response_g1, ..., response_gn]`` per group ``g``, each response
+    without its last token (its output predicts nothing: :func:`rlkit.batch.input_response_mask`);
+    position ids continue the prompt in every response. Attention: prompt tokens are causal among their
     prompt; a response token sees its group's prompt and its own response up to itself. Every
     token's computation is the unshared one's, so log-probs, values and gradients are equal (the
     prompt's gradient is the sum over its responses, which autograd accumulates); only the
@@ -291,8 +292,8 @@ class SharedPrefix:
     prompt_index: torch.Tensor  # (n_p) packed positions of the prompt tokens (contiguous per group)
     prompt_cu: torch.Tensor  # (groups + 1) prompt segment boundaries within prompt_index
     prompt_max: int
-    response_index: torch.Tensor  # (n_r) packed positions of response tokens, row-major
-    response_cu: torch.Tensor  # (rows' + 1) query segments (rows with >= 1 response token)
+    response_index: torch.Tensor  # (n_r) packed positions of the response tokens in the input, row-major
+    response_cu: torch.Tensor  # (rows' + 1) query segments (rows with >= 1 response token in the input)
     key_index: torch.Tensor  # (n_k) packed positions of each response row's keys: its prompt, then itself
     key_cu: torch.Tensor  # (rows' + 1)
     response_max: int
@@ -324,7 +325,9 @@ def shared_prefix(prompt_ids, prompt_mask, response_ids, response_mask) -> Share
     p_len, r_len = prompt_mask.sum(1), response_mask.sum(1)
     # keep a row's prompt only at its group's first row: row-major order is then
     # prompt_g, response_g1, response_g2, ... for every group
-    keep = torch.cat([prompt_mask & starts[:, None], response_mask], dim=1)
+    # and of each response all but its last token, whose output predicts nothing (input_response_mask)
+    r_in = input_response_mask(response_mask)
+    keep = torch.cat([prompt_mask & starts[:, None], r_in], dim=1)
     ids = torch.cat([prompt_ids, response_ids], dim=1)
     pos = torch.cat([prompt_mask, response_mask], dim=1).long().cumsum(1) - 1
     flat = keep.flatten()
@@ -344,6 +347,8 @@ def shared_prefix(prompt_ids, prompt_mask, response_ids, response_mask) -> Share
 
     g_plen = p_len[first_row]
     prompt_index = ranges(group_prompt_start, g_plen)
+    predicted_len = r_len  # response tokens to predict; r_len below: those in the input
+    r_len = r_in.sum(1)
     rows = torch.nonzero(r_len > 0).flatten()
     rl, pl = r_len[rows], p_len[rows]
     response_index = ranges(response_start[rows], rl)
@@ -357,10 +362,12 @@ def shared_prefix(prompt_ids, prompt_mask, response_ids, response_mask) -> Share
     )
     # response token t of row r is predicted by the hidden state before it: the group's last
     # prompt token for t = 0, response token t - 1 otherwise
-    owner_r = torch.repeat_interleave(torch.arange(rows.numel(), device=device), rl)
-    t = torch.arange(int(rl.sum()), device=device) - _cu(rl)[owner_r]
+    prows = torch.nonzero(predicted_len > 0).flatten()
+    prl = predicted_len[prows]
+    owner_r = torch.repeat_interleave(torch.arange(prows.numel(), device=device), prl)
+    t = torch.arange(int(prl.sum()), device=device) - _cu(prl)[owner_r]
     predict_index = torch.where(
-        t == 0, prompt_start[rows][owner_r] + pl[owner_r] - 1, response_start[rows][owner_r] + t - 1
+        t == 0, prompt_start[prows][owner_r] + p_len[prows][owner_r] - 1, response_start[prows][owner_r] + t - 1
     )
     return SharedPrefix(
         input_ids=input_ids, position_ids=position_ids, prompt_index=prompt_index, prompt_cu=_cu(g_plen),
@@ -735,7 +742,7 @@ def response_view(
         if view is not None:
             out = ResponseView("shared", view, True, targets, scatter_index, shape)
         else:
-            view = packed({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids, "response_mask": response_mask})
+            view = packed({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids, "response_mask": response_mask}, drop_last=True)
             out = ResponseView("packed", view, _can_use_varlen(backbone, device, view.input_ids.numel()), targets, scatter_index, shape)
     return out.to(device)
 
@@ -785,7 +792,7 @@ def response_hidden(
         else:
             out = backbone(**inputs)
         hidden = out.last_hidden_state[0]
-        return _take_rows(hidden, v.response_index - 1), view.targets
+        return _take_rows(hidden, v.predict_index), view.targets
     prompt_mask, response_mask = prompt_mask.bool(), response_mask.bool()
     ids = torch.cat([prompt_ids, response_ids], dim=1)
     mask = torch.cat([prompt_mask, response_mask], dim=1)

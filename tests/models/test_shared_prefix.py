@@ -41,16 +41,20 @@ def _run(model, share, monkeypatch):
 def test_layout_shares_each_prompt_once_and_predicts_from_the_right_positions():
     view = L.shared_prefix(*_args())
     assert view is not None
-    # prompts 3 + 1 + 5 + 2 once each, plus every response token
-    assert view.input_ids.numel() == 3 + 1 + 5 + 2 + sum(map(len, RESPONSES))
+    # prompts 3 + 1 + 5 + 2 once each, plus every response token but each row's last (its
+    # output predicts nothing)
+    assert view.input_ids.numel() == 3 + 1 + 5 + 2 + sum(max(len(r) - 1, 0) for r in RESPONSES)
     seq = view.input_ids.tolist()
-    assert seq[:3 + 4 + 1 + 2] == [5, 6, 7, 5, 5, 5, 6, 7, 8, 9]
+    # [5 6 7] then [5 5 5](6) ()(7) [8](9), then [8] and [10 11](12)
+    assert seq[:3 + 3 + 1 + 1 + 2] == [5, 6, 7, 5, 5, 5, 8, 8, 10, 11]
     # the first token of every response is predicted by its group's last prompt token
     first_of_row = [sum(map(len, RESPONSES[:r])) for r in range(len(RESPONSES)) if RESPONSES[r]]
     preds = view.predict_index[first_of_row].tolist()
     assert [seq[i] for i in preds] == [7, 7, 7, 8, 13, 13, 13, 4]
     # positions continue the prompt in every response
-    assert view.position_ids[view.response_index[:4]].tolist() == [3, 4, 5, 6]
+    assert view.position_ids[view.response_index[:3]].tolist() == [3, 4, 5]
+    # the other response tokens are predicted by response tokens of the same row
+    assert [seq[i] for i in view.predict_index[1:4].tolist()] == [5, 5, 5]
     assert L.shared_prefix(*[t[:1] for t in _args()]) is None  # one row: nothing to share
 
 
