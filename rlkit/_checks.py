@@ -10,3 +10,36 @@ def int_at_least(value, name: str, minimum: int = 1, hint: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         need = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ValueError(f"{name} must be {need}{hint}, got {value!r}")
+
+
+def model_of(model, where: str, *, accept_state: bool = True):
+    """The ``nn.Module`` a function that takes a model was given: a :class:`rlkit.TrainState`'s
+    actor when ``accept_state`` (else a message naming ``state.actor``); a clear ``TypeError``
+    for anything that is not a module."""
+    import torch
+
+    from rlkit.state import TrainState
+
+    if isinstance(model, TrainState):
+        if accept_state:
+            return model.actor
+        raise TypeError(f"{where} takes a model, not a TrainState; pass state.actor (or warm up before rk.init)")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{where} takes a model (a torch.nn.Module, e.g. rk.models.tiny(...)), got {type(model).__name__}")
+    return model
+
+
+def tokenizer_of(tokenizer, where: str):
+    if tokenizer is None:
+        raise TypeError(f"{where} needs a tokenizer (to read prompts and decode responses); got None")
+    return tokenizer
+
+
+def check_context(model, tokens: int, where: str, hint: str) -> None:
+    """Raise ``ValueError`` when ``tokens`` positions exceed the model's context
+    (``config.max_position_embeddings``); positions past it index nothing the model learned, and
+    the built-in engine's rotary table would not reach them."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if limit is not None and tokens > limit:
+        raise ValueError(f"{where} needs {tokens} positions, over the model's context of {limit} tokens "
+                         f"(max_position_embeddings); {hint}")

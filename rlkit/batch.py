@@ -58,6 +58,26 @@ FIELDS: dict[str, tuple[int, str]] = {
 }
 RESPONSE_ALIGNED = {k for k, (rank, _) in FIELDS.items() if rank == 2 and not k.startswith("prompt")}
 TEXT_FIELDS = ("prompt_text", "response_text")
+#: names a per-prompt data column cannot take: the batch's own fields, and the keywords
+#: ``rk.score`` passes TRL-style reward functions besides the columns (``reward/<name>`` too)
+RESERVED_COLUMNS = frozenset(FIELDS) | set(TEXT_FIELDS) | {"rollout_metrics", "prompts", "completions", "completion_ids"}
+
+
+def check_column_names(names: Iterable[str], where: str, allow: Iterable[str] = ()) -> None:
+    """Raise :class:`BatchError` naming any of ``names`` that a batch uses itself
+    (:data:`RESERVED_COLUMNS`, ``reward/...``) unless in ``allow``: such a column would overwrite
+    the batch's field or collide with a reward function's keyword, silently or with a misleading
+    error later."""
+    allow = set(allow)
+    bad = sorted(
+        str(n) for n in names
+        if n not in allow and (not isinstance(n, str) or n in RESERVED_COLUMNS or n.startswith("reward/"))
+    )
+    if bad:
+        raise BatchError(
+            f"{where}: column name(s) {bad} are reserved by rlkit's batch ({', '.join(sorted(RESERVED_COLUMNS))}, "
+            "reward/...); rename them (e.g. 'ref_answer' or 'meta_group')"
+        )
 
 
 class BatchError(ValueError):
@@ -135,6 +155,7 @@ def make_batch(
     if rewards is not None:
         fields["rewards"] = torch.as_tensor(rewards, dtype=torch.float32)
     batch = TensorDict(fields, batch_size=[b], device=device)
+    check_column_names(columns or {}, "make_batch(columns=...)", allow=TEXT_FIELDS)  # the batch's own text columns
     for name, values in (columns or {}).items():
         set_column(batch, name, values)
     validate(batch)

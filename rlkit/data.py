@@ -15,6 +15,9 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from rlkit._checks import int_at_least
+from rlkit.batch import RESERVED_COLUMNS
+
 
 class DataError(ValueError):
     """Bad prompt data; the message names the row and the field."""
@@ -27,6 +30,12 @@ class Prompts:
     text: list[str]
     ids: list[list[int]]
     columns: dict[str, list[Any]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        n = len(self.ids)
+        bad = {name: len(v) for name, v in [("text", self.text), *((f"columns[{k!r}]", v) for k, v in self.columns.items())] if len(v) != n}
+        if bad:
+            raise DataError(f"Prompts has {n} rows of ids but {bad}; every field needs one entry per prompt")
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -48,7 +57,12 @@ def _encode(tokenizer, text: str | list, chat: bool) -> list[int]:
     if chat or isinstance(text, list):
         if getattr(tokenizer, "chat_template", None) is None:
             raise DataError("prompt is a list of chat messages but the tokenizer has no chat_template; give plain text prompts or a tokenizer with a chat template")
-        return list(tokenizer.apply_chat_template(text if isinstance(text, list) else [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True))
+        messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(out, Mapping) or hasattr(out, "input_ids"):
+            # transformers 5 returns a BatchEncoding (input_ids, attention_mask) where 4.x returned the ids
+            out = out["input_ids"]
+        return [int(t) for t in out]
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -63,12 +77,25 @@ def _rows(source: Any, prompt_key: str) -> list[Mapping[str, Any]]:
                 if not line.strip():
                     continue
                 try:
-                    rows.append(json.loads(line))
+                    item = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}: line {n} is not valid JSON ({exc.msg}); each line must be one JSON object") from exc
+                    raise DataError(f"{path}: line {n} is not valid JSON ({exc.msg}); each line must be one JSON object or string") from exc
+                # a line holding a JSON string (or a list of chat messages) is a prompt, as in a list
+                rows.append({prompt_key: item} if isinstance(item, (str, list)) else item)
         return rows
     if hasattr(source, "column_names") and hasattr(source, "__getitem__"):  # datasets.Dataset
         return [source[i] for i in range(len(source))]
+    if isinstance(source, Mapping):
+        if isinstance(source.get(prompt_key), str):  # one row
+            return [source]
+        # columns: {"prompt": [...], "answer": [...]}
+        if prompt_key not in source:
+            raise DataError(f"prompt columns {sorted(map(str, source))} have no {prompt_key!r} column; pass prompt_key= to name it")
+        lengths = {str(k): len(v) if isinstance(v, (list, tuple)) else None for k, v in source.items()}
+        if any(n is None for n in lengths.values()) or len(set(lengths.values())) != 1:
+            raise DataError(f"a dict of prompt columns needs one list per column, all of one length; got lengths {lengths}")
+        keys = list(source)
+        return [{k: source[k][i] for k in keys} for i in range(lengths[str(prompt_key)])]
     rows = []
     for item in source:
         rows.append({prompt_key: item} if isinstance(item, (str, list)) else item)
@@ -97,6 +124,8 @@ class PromptSet:
 
     def batch_at(self, position: int, batch_size: int, *, seed: int = 0, shuffle: bool = True) -> Prompts:
         """The ``position``-th batch of the endless epoch-by-epoch stream (drop_last per epoch)."""
+        int_at_least(batch_size, "batch_size")
+        int_at_least(position, "position", 0)
         per_epoch = len(self) // batch_size
         if per_epoch == 0:
             raise DataError(f"batch_size={batch_size} is larger than the prompt set ({len(self)} prompts); lower batch_size")
@@ -105,7 +134,15 @@ class PromptSet:
         return self.take(order[k * batch_size : (k + 1) * batch_size])
 
     def batches(self, batch_size: int, steps: int, *, seed: int = 0, start: int = 0, shuffle: bool = True) -> Iterator[Prompts]:
-        """``steps`` batches starting at stream position ``start`` (a resumed run passes its data_position)."""
+        """The batches at stream positions ``start`` .. ``steps - 1``: ``steps`` is the whole run's
+        length, so a run resumed at its ``data_position`` gets the batches it has left
+        (``steps - start`` of them)."""
+        int_at_least(batch_size, "batch_size")
+        int_at_least(steps, "steps", 0)
+        int_at_least(start, "start", 0)
+        return self._batches(batch_size, steps, seed, start, shuffle)
+
+    def _batches(self, batch_size: int, steps: int, seed: int, start: int, shuffle: bool) -> Iterator[Prompts]:
         for position in range(start, steps):
             yield self.batch_at(position, batch_size, seed=seed, shuffle=shuffle)
 
@@ -126,10 +163,14 @@ def load_prompts(
     that reward functions receive by name. A prompt longer than ``max_prompt_tokens`` is an error
     naming it, unless ``truncate=True`` (keeps the last tokens).
     """
+    if max_prompt_tokens is not None:
+        int_at_least(max_prompt_tokens, "max_prompt_tokens", hint=" or None (no limit)")
     if isinstance(source, PromptSet):
         return source
     if isinstance(source, Prompts):  # one batch, already tokenized: taken as it is
         return PromptSet(list(source.text), list(source.ids), {k: list(v) for k, v in source.columns.items()})
+    if tokenizer is None:
+        raise DataError("load_prompts needs a tokenizer to turn prompts into token ids; pass one (e.g. state.tokenizer)")
     rows = _rows(source, prompt_key)
     if not rows:
         raise DataError("the prompt set is empty; give at least one prompt")
@@ -153,6 +194,12 @@ def load_prompts(
             tok = tok[-max_prompt_tokens:]
         others = {k: v for k, v in row.items() if k != prompt_key}
         if keys is None:
+            reserved = sorted(str(k) for k in others if not isinstance(k, str) or k in RESERVED_COLUMNS or k.startswith("reward/"))
+            if reserved:
+                raise DataError(
+                    f"prompt columns {reserved} are names rlkit's batch uses itself ({', '.join(sorted(RESERVED_COLUMNS))}, "
+                    "reward/...); rename them in the data (e.g. 'ref_answer')"
+                )
             keys = set(others)
             columns = {k: [] for k in keys}
         elif set(others) != keys:

@@ -5,7 +5,7 @@ from typing import Callable
 
 import torch
 
-from rlkit._checks import int_at_least
+from rlkit._checks import check_context, int_at_least, model_of, tokenizer_of
 from rlkit.data import DataError, Prompts, PromptSet, load_prompts
 from rlkit.engines.base import SamplingParams
 
@@ -25,16 +25,23 @@ def evaluate(
 ) -> dict[str, float]:
     """Mean reward (= accuracy for 0/1 rewards) of ``model`` on ``prompts``; greedy by default.
 
-    ``prompts``: a PromptSet, a Prompts batch, or anything :func:`rlkit.load_prompts` reads."""
+    ``model``: a model, or a TrainState (its actor). ``prompts``: a PromptSet, a Prompts batch, or
+    anything :func:`rlkit.load_prompts` reads."""
     from rlkit.engines.torch_engine import TorchEngine
     from rlkit.transforms.score import score
     from rlkit.transforms.rollout import batch_from_generation as from_generation
 
+    model = model_of(model, "evaluate")
+    tokenizer = tokenizer_of(tokenizer, "evaluate")
     int_at_least(batch_size, "evaluate: batch_size", 1, " (prompts per generate call)")
     if not isinstance(prompts, (PromptSet, Prompts)):
         prompts = load_prompts(prompts, tokenizer)  # a list of strings or rows, a JSONL path, a Dataset
     if len(prompts) == 0:
         raise DataError("evaluate got no prompts; an accuracy over none would be meaningless")
+    longest = max(range(len(prompts)), key=lambda i: len(prompts.ids[i]))
+    check_context(model, len(prompts.ids[longest]) + max_new_tokens,
+                  f"evaluate: prompt {longest} ({len(prompts.ids[longest])} tokens) with max_new_tokens={max_new_tokens}",
+                  "shorten the prompts or lower max_new_tokens")
     eng = engine or TorchEngine.from_model(model)
     params = SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=temperature,
                             stop_token_ids=(tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())

@@ -5,8 +5,9 @@ prompts, reward)`` and you can always write that loop yourself in a notebook cel
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from rlkit._checks import int_at_least
 from rlkit.data import PromptSet, load_prompts
@@ -35,9 +36,14 @@ def fit(
     state restored from a checkpoint continues with exactly the batches the uninterrupted run
     would see. ``eval_fn(state) -> {"accuracy": ...}`` runs every ``eval_every`` steps and after the
     last step (``eval_every=0``: never); ``checkpointer.maybe_save(state)`` is called after every
-    step when given.
+    step when given. ``recipe`` may be a name (``"grpo"``: ``rk.recipes.get``); ``sinks`` one sink
+    or several.
+
+    Nothing is lost when the run stops early: an exception leaving ``fit`` (an error in a reward
+    or ``eval_fn``, or Ctrl-C) carries the latest state and the history so far as ``exc.state``
+    and ``exc.history`` (the state passed in was donated to the first update).
     """
-    sinks = list(sinks)
+    state, recipe, sinks = _check_fit_args(state, recipe, reward, steps, sinks, checkpointer)
     history: list[dict[str, float]] = []
     if steps < state.step:
         raise ValueError(f"steps={steps} is below the state's step {state.step}; the run is already past it")
@@ -51,19 +57,89 @@ def fit(
                             "pass rk.load_prompts(prompts, tokenizer), or rk.init(..., tokenizer=...)")
         prompts = load_prompts(prompts, state.tokenizer)
     t_start = time.perf_counter()
-    while state.step < steps:
-        batch_prompts = prompts.batch_at(state.data_position, batch_size, seed=state.seed, shuffle=shuffle)
-        t0 = time.perf_counter()
-        state, metrics = recipe.step(state, batch_prompts, reward)
-        state = state.replace(data_position=state.data_position + 1)
-        metrics["time/step_s"] = time.perf_counter() - t0
-        metrics["time/elapsed_s"] = time.perf_counter() - t_start
-        if eval_fn is not None and eval_every and (state.step % eval_every == 0 or state.step == steps):
-            metrics.update({f"eval/{k}": v for k, v in eval_fn(state).items()})
-        history.append(metrics)
-        broadcast(sinks, state.step, metrics)
-        if checkpointer is not None:
-            # after the sinks: a step inside a checkpoint has its metrics logged, even when this
-            # save is the last thing a preempted (SIGTERM) run does
-            checkpointer.maybe_save(state)
+    try:
+        # the checkpointer's SIGTERM handler (save at the next step boundary) only while the loop runs
+        with getattr(checkpointer, "armed", contextlib.nullcontext)():
+            while state.step < steps:
+                batch_prompts = prompts.batch_at(state.data_position, batch_size, seed=state.seed, shuffle=shuffle)
+                t0 = time.perf_counter()
+                state, metrics = recipe.step(state, batch_prompts, reward)
+                state = state.replace(data_position=state.data_position + 1)
+                metrics["time/step_s"] = time.perf_counter() - t0
+                metrics["time/elapsed_s"] = time.perf_counter() - t_start
+                if eval_fn is not None and eval_every and (state.step % eval_every == 0 or state.step == steps):
+                    metrics.update({f"eval/{k}": v for k, v in _eval_metrics(eval_fn, state).items()})
+                history.append(metrics)
+                broadcast(sinks, state.step, metrics)
+                if checkpointer is not None:
+                    # after the sinks: a step inside a checkpoint has its metrics logged, even when this
+                    # save is the last thing a preempted (SIGTERM) run does
+                    checkpointer.maybe_save(state)
+    except BaseException as exc:  # noqa: BLE001 - re-raised; only annotated
+        _attach_progress(exc, state, history)
+        raise
     return state, history
+
+
+def _check_fit_args(state, recipe, reward, steps, sinks, checkpointer):
+    """Check ``fit``'s arguments before the first step (a wrong one used to fail after a step,
+    with the state passed in already donated); a recipe may be given by name."""
+    from rlkit.state import TrainState
+
+    if not isinstance(state, TrainState):
+        raise TypeError(f"fit: state must be a TrainState (from rk.init), got {type(state).__name__}")
+    if isinstance(recipe, str):
+        from rlkit.recipes import get
+
+        recipe = get(recipe)
+    if not callable(getattr(recipe, "step", None)):
+        raise TypeError(f"fit: recipe must be a recipe (rk.recipes.get('grpo'), or any object with "
+                        f".step(state, prompts, reward)), got {type(recipe).__name__}")
+    if reward is None:
+        raise TypeError("fit: reward is None; pass a reward function, a list of them, or a {name: weight} dict "
+                        "(rk.rewards has built-in ones)")
+    int_at_least(steps, "steps", 0, " (the step count to reach)")
+    if sinks is None:
+        sinks = ()
+    elif hasattr(sinks, "on_step"):  # one sink
+        sinks = (sinks,)
+    sinks = list(sinks)
+    for sink in sinks:
+        if not callable(getattr(sink, "on_step", None)):
+            raise TypeError(f"fit: every sink needs an on_step(step, metrics) method; {sink!r} has none "
+                            "(rk.observe has ConsoleSink, JSONLSink, ListSink, ...)")
+    if checkpointer is not None and not callable(getattr(checkpointer, "maybe_save", None)):
+        raise TypeError(f"fit: checkpointer must be an rk.Checkpointer (with .maybe_save(state)), got {checkpointer!r}")
+    return state, recipe, sinks
+
+
+def _eval_metrics(eval_fn, state) -> dict:
+    out = eval_fn(state)
+    if not isinstance(out, Mapping):
+        raise TypeError(f"fit: eval_fn must return a dict of metrics (e.g. {{'accuracy': 0.5}}), got {type(out).__name__} {out!r:.60}")
+    return out
+
+
+def _attach_progress(exc: BaseException, state, history: list) -> None:
+    """Put the run's latest state and history on an exception leaving ``fit`` (Ctrl-C included):
+    the state passed in was donated to the first update, so without this a failure at step 900
+    (or an interrupt) would lose 900 steps. The exception carries them as ``exc.state`` and
+    ``exc.history``; in a notebook the last exception is ``sys.last_value``."""
+    from rlkit.state import DonatedStateError
+
+    try:
+        state.step  # noqa: B018 - raises if the interrupt landed after an update donated it
+    except DonatedStateError:
+        state = None
+    except Exception:  # noqa: BLE001 - never mask the real error
+        state = None
+    try:
+        exc.state, exc.history = state, history
+    except Exception:  # noqa: BLE001 - an exception type without a __dict__: leave it as it is
+        return
+    if hasattr(exc, "add_note"):
+        where = f"after step {state.step}" if state is not None else "(the state was mid-update and is not usable)"
+        exc.add_note(
+            f"rk.fit stopped {where} with {len(history)} step(s) of history: the exception carries them as "
+            "exc.state and exc.history (in a notebook: import sys; state = sys.last_value.state)"
+        )

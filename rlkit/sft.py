@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from rlkit._checks import int_at_least
+from rlkit._checks import check_context, int_at_least, model_of, tokenizer_of
 from rlkit.batch import make_batch
 from rlkit.observe.sinks import CallbackSink, broadcast
 from rlkit.optim import adamw
@@ -55,8 +55,8 @@ def warmup(
         board = rk.observe.notebook.Dashboard(total=1500, keys=("sft/loss",), every=150)
         rk.sft.warmup(model, tokenizer, examples, steps=1500, sinks=[board])
     """
-    from rlkit.models.logprobs import response_logprobs
-
+    model = model_of(model, "warmup", accept_state=False)
+    tokenizer = tokenizer_of(tokenizer, "warmup")
     int_at_least(steps, "warmup: steps", 0)
     int_at_least(batch_size, "warmup: batch_size", 1)
     if not examples:
@@ -68,7 +68,6 @@ def warmup(
                              "e.g. ('12+34=', '46')")
     if steps == 0:  # nothing to train (rlkit run --sft-steps 0); the model is left as it is
         return []
-    device = next(model.parameters()).device
     spec = adamw(lr=lr, weight_decay=0.0, warmup_steps=min(warmup_steps, steps), total_steps=steps, schedule="cosine", min_lr_ratio=0.1)
     optimizer, scheduler = spec.build(model.parameters())
     rng = random.Random(seed)
@@ -77,12 +76,30 @@ def warmup(
     # each example is tokenized once, on its first draw, not once per draw (with the default job's
     # character tokenizer that saves ~1% of a step; slower tokenizers and longer texts save more)
     encoded: dict[int, tuple[list[int], list[int]]] = {}
+    was_training = model.training
     model.train()
+    try:
+        _train(model, tokenizer, examples, steps, batch_size, rng, encoded, optimizer, scheduler, sinks, history)
+    finally:
+        model.train(was_training)  # as evaluate does: the caller's mode, whatever happened
+    return history
+
+
+def _train(model, tokenizer, examples, steps, batch_size, rng, encoded, optimizer, scheduler, sinks, history) -> None:
+    from rlkit.models.logprobs import response_logprobs
+
+    device = next(model.parameters()).device
     for step in range(steps):
         picks = [rng.randrange(len(examples)) for _ in range(batch_size)]
         for i in picks:
             if i not in encoded:
                 encoded[i] = _encode(tokenizer, *examples[i])
+                prompt, target = encoded[i]
+                if not prompt:
+                    raise ValueError(f"warmup: example {i}'s prompt {examples[i][0]!r} tokenizes to no tokens; "
+                                     "every example needs a non-empty prompt")
+                check_context(model, len(prompt) + len(target), f"warmup: example {i} ({examples[i][0][:40]!r}...)",
+                              "shorten it or drop it")
         batch = _batch_of(tokenizer, [encoded[i] for i in picks]).to(device)
         logprobs, _ = response_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"])
         mask = batch["response_mask"]
@@ -95,5 +112,3 @@ def warmup(
         metrics = {"sft/loss": float(loss.detach()), "sft/lr": scheduler.get_last_lr()[0]}
         history.append(metrics)
         broadcast(sinks, step + 1, metrics)
-    model.eval()
-    return history

@@ -77,3 +77,69 @@ def test_fit_on_one_batch_of_prompts_equals_fit_on_its_prompt_set(task):
     b = run(PromptSet(batch.text, batch.ids, batch.columns))
     keys = ("reward/mean", "actor/pg_loss", "actor/entropy")
     assert [[h[k] for k in keys] for h in a] == [[h[k] for k in keys] for h in b]
+
+
+def _chat_tokenizer():
+    from rlkit.models.tokenizers import char_tokenizer
+
+    tok = char_tokenizer("0123456789+=: abcdefghijklmnopqrstuvwxyz")
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}:{{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    return tok
+
+
+def test_chat_prompts_become_the_token_ids_of_the_rendered_conversation():
+    """transformers 5 returns a BatchEncoding from apply_chat_template: its keys became the
+    prompt ('input_ids', 'attention_mask'), and a rollout then failed comparing str and int."""
+    tok = _chat_tokenizer()
+    rendered = "user:1+1= assistant:"
+    expected = tok(rendered, add_special_tokens=False)["input_ids"]
+    assert rk.load_prompts(["1+1="], tok, chat=True).ids == [expected]
+    messages = [{"role": "user", "content": "1+1="}]
+    assert rk.load_prompts([messages], tok).ids == [expected]
+    state = rk.init(rk.models.tiny(tok, seed=0, hidden_size=32, intermediate_size=64), rk.optim.adamw(lr=1e-3), tokenizer=tok)
+    batch = rk.rollout(state, [messages], n=2, max_new_tokens=3)
+    assert batch["prompt_ids"][0][batch["prompt_mask"][0]].tolist() == expected
+
+
+def test_a_dict_of_columns_is_read_as_rows(task):
+    tok = task.tokenizer
+    ps = rk.load_prompts({"prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}, tok)
+    assert ps.text == ["1+1=", "2+2="] and ps.columns == {"answer": ["2", "4"]}  # was: prompts 'prompt', 'answer'
+    one = rk.load_prompts({"prompt": "1+1=", "answer": "2"}, tok)
+    assert one.text == ["1+1="] and one.columns == {"answer": ["2"]}
+    with pytest.raises(rk.data.DataError, match="one list per column, all of one length"):
+        rk.load_prompts({"prompt": ["1+1=", "2+2="], "answer": ["2"]}, tok)
+    with pytest.raises(rk.data.DataError, match="no 'prompt' column"):
+        rk.load_prompts({"question": ["1+1="]}, tok)
+
+
+@pytest.mark.parametrize("name", ["prompt_text", "response_text", "group", "rewards", "truncated", "completions", "completion_ids", "reward/x"])
+def test_data_columns_cannot_take_the_batchs_own_names(task, name):
+    """They silently overwrote the batch's field (prompt_text, completion_ids) or failed later
+    with a misleading error (group, truncated, completions)."""
+    with pytest.raises(rk.data.DataError, match=f"prompt columns \\['{name}'\\] are names rlkit's batch uses"):
+        rk.load_prompts([{"prompt": "1+1=", name: "A"}], task.tokenizer)
+    if name not in ("prompt_text", "response_text"):  # the batch's own text columns may be given to make_batch
+        with pytest.raises(rk.BatchError, match="reserved"):
+            rk.make_batch([[1]], [[2]], columns={name: ["A"]})
+
+
+def test_prompt_set_arguments_are_checked(task, tmp_path):
+    tok = task.tokenizer
+    path = tmp_path / "p.jsonl"
+    path.write_text('"1+1="\n"2+2="\n')
+    assert rk.load_prompts(str(path), tok).text == ["1+1=", "2+2="]  # JSON strings per line, as a list takes them
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="max_prompt_tokens must be a positive int"):
+            rk.load_prompts(["22+33="], tok, max_prompt_tokens=bad, truncate=True)  # 0 kept every token, -1 dropped one
+    assert rk.load_prompts(["22+33="], tok, max_prompt_tokens=2, truncate=True).ids == [tok("3=", add_special_tokens=False)["input_ids"]]
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        next(task.train.batches(0, 2))  # was ZeroDivisionError
+    with pytest.raises(ValueError, match="start must be an int >= 0"):
+        task.train.batches(2, 3, start=-1)
+    assert len(list(task.train.batches(2, 5, start=3))) == 2  # positions 3 and 4: what a resumed run has left
+    with pytest.raises(rk.data.DataError, match="needs a tokenizer"):
+        rk.load_prompts(["1+1="], None)
+    with pytest.raises(rk.data.DataError, match="2 rows of ids but \\{'text': 1\\}"):
+        Prompts(["a"], [[1], [2]])

@@ -83,7 +83,7 @@ def test_rollout_errors(state, task):
         small = rk.init(rk.models.tiny(task.tokenizer, hidden_size=64, intermediate_size=128, max_position_embeddings=8),
                         rk.optim.adamw(lr=1e-3), tokenizer=task.tokenizer)
         rk.rollout(small, ["12+34="], n=2, max_new_tokens=4)
-    with pytest.raises(ValueError, match="SamplingParams.n must be >= 1"):
+    with pytest.raises(ValueError, match="SamplingParams.n must be a positive int"):
         rk.rollout(state, ["1+1="], n=0)
     with pytest.raises(TypeError, match="rollout expects a TrainState"):
         rk.rollout(task, ["1+1="])
@@ -148,15 +148,99 @@ def test_init_names_a_device_this_machine_lacks(task):
 def test_recipes_check_their_fields_when_built():
     """Bad sampling or update values used to pass ``rk.recipes.get`` and fail at the first rollout
     or update (a float ``kl`` at the first step, in ``needs_ref``)."""
-    for kw, match in (({"n": -1}, "GRPO: SamplingParams.n must be >= 1"),
-                      ({"temperature": -1.0}, "GRPO: SamplingParams.temperature must be >= 0"),
+    for kw, match in (({"n": -1}, "GRPO: SamplingParams.n must be a positive int"),
+                      ({"temperature": -1.0}, "GRPO: SamplingParams.temperature must be a finite number >= 0"),
                       ({"kl": ("low_var_kl", -1.0)}, "kl's coefficient must be a finite number >= 0"),
                       ({"micro_batch_size": 0}, "GRPO.micro_batch_size must be a positive int or None, got 0"),
                       ({"epochs": 0}, "GRPO.epochs must be a positive int, got 0")):
         with pytest.raises(ValueError, match=match):
             rk.recipes.get("grpo", **kw)
-    with pytest.raises(ValueError, match="CriticFree: SamplingParams.n must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="CriticFree: SamplingParams.n must be a positive int, got 0"):
         rk.recipes.get("rloo").with_(n=0)
     recipe = rk.recipes.get("grpo", kl=0.01)  # a bare coefficient, as update takes it
     assert recipe.kl == ("low_var_kl", 0.01) and recipe.needs_ref()
     assert not rk.recipes.get("grpo", kl=0.0).needs_ref()
+
+
+def test_sampling_params_reject_values_that_sampled_garbage_or_failed_deep_in_torch():
+    from rlkit.engines.base import SamplingParams
+
+    cases = [({"temperature": float("nan")}, "temperature must be a finite number >= 0"),  # sampled pad tokens, NaN log-probs
+             ({"temperature": None}, "temperature must be a finite number"),
+             ({"max_new_tokens": 2.0}, "max_new_tokens must be a positive int"),
+             ({"n": True}, "n must be a positive int"),
+             ({"top_k": 2.5}, "top_k must be an int"),
+             ({"top_p": 1.5}, "top_p must be a number in \\(0, 1\\]"),
+             ({"stop_token_ids": 2}, "stop_token_ids must be a sequence of token ids")]
+    for kw, match in cases:
+        with pytest.raises(ValueError, match=f"SamplingParams.{match}"):
+            SamplingParams(**kw)
+    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+
+
+def test_recipe_and_update_reject_a_gradient_norm_that_flips_or_zeroes_the_update(task, state):
+    """max_grad_norm=-1 was accepted and trained by gradient ascent (clip_grad_norm_ scales by a
+    negative factor); 0 zeroed every gradient."""
+    for bad in (-1.0, 0, float("nan")):
+        with pytest.raises(ValueError, match="max_grad_norm must be a finite number > 0, or None"):
+            rk.recipes.get("grpo", max_grad_norm=bad)
+    batch = rk.advantage(rk.score(rk.rollout(state, task.train.batch_at(0, 2), n=2, max_new_tokens=3), task.reward), "grpo")
+    with pytest.raises(ValueError, match="max_grad_norm must be a finite number > 0"):
+        rk.update(state, batch, max_grad_norm=-1.0)
+    state.step  # noqa: B018 - the refused update did not donate the state
+
+
+def test_recipes_check_names_and_dapo_attempts_when_built():
+    with pytest.raises(ValueError, match="GRPO: unknown policy loss 'ppo_clipp'"):
+        rk.recipes.get("grpo", loss="ppo_clipp")
+    with pytest.raises(ValueError, match="GRPO: unknown loss aggregation 'token_mean'"):
+        rk.recipes.get("grpo", agg="token_mean")
+    with pytest.raises(ValueError, match="no option\\(s\\) \\['clip_ratoi'\\]"):
+        rk.recipes.get("grpo", loss_kw={"clip_ratoi": 0.2})
+    with pytest.raises(ValueError, match="DAPO.max_attempts must be a positive int"):
+        rk.recipes.get("dapo", max_attempts=0)  # fit then failed with UnboundLocalError
+
+
+def test_fit_checks_its_arguments_before_the_first_step(task, state):
+    recipe = rk.recipes.get("grpo", n=2, max_new_tokens=3)
+    bad = [({"recipe": 3}, TypeError, "recipe must be a recipe"),
+           ({"reward": None}, TypeError, "reward is None"),
+           ({"steps": 1.5}, ValueError, "steps must be an int >= 0"),
+           ({"sinks": [print]}, TypeError, "every sink needs an on_step"),
+           ({"checkpointer": "ckpt"}, TypeError, "checkpointer must be an rk.Checkpointer"),
+           ({"state": "state"}, TypeError, "state must be a TrainState")]
+    for change, exc, match in bad:
+        kw = {"state": state, "recipe": recipe, "reward": task.reward, "prompts": task.train, "steps": 1, "batch_size": 2, **change}
+        with pytest.raises(exc, match=match):
+            rk.fit(kw.pop("state"), kw.pop("recipe"), kw.pop("reward"), kw.pop("prompts"), **kw)
+    state.step  # noqa: B018 - nothing ran: the state is still usable
+    sink = rk.observe.ListSink()
+    state, history = rk.fit(state, "grpo", task.reward, task.train, steps=1, batch_size=2, sinks=sink)  # a name, one sink
+    assert state.step == 1 and len(history) == 1 and len(sink.history) == 1
+
+
+def test_fit_hands_back_its_state_and_history_when_stopped(task, state):
+    """The state passed in is donated to the first update: an error at step 3 (or Ctrl-C) used to
+    lose every step before it."""
+    recipe = rk.recipes.get("grpo", n=2, max_new_tokens=3)
+
+    class Interrupt:
+        def on_step(self, step, metrics):
+            if step == 2:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        rk.fit(state, recipe, task.reward, task.train, steps=5, batch_size=2, sinks=[Interrupt()])
+    kept = info.value.state
+    assert kept.step == 2 and len(info.value.history) == 2
+    assert any("exc.state" in note for note in getattr(info.value, "__notes__", []))
+
+    def failing_eval(s):
+        raise RuntimeError("eval broke")
+
+    with pytest.raises(RuntimeError, match="eval broke") as info:
+        rk.fit(kept, recipe, task.reward, task.train, steps=5, batch_size=2, eval_fn=failing_eval, eval_every=2)
+    # step 3 ran; step 4's update ran, then its evaluation failed: the state after it is kept
+    assert info.value.state.step == 4 and len(info.value.history) == 1
+    state, history = rk.fit(info.value.state, recipe, task.reward, task.train, steps=5, batch_size=2)
+    assert state.step == 5 and len(history) == 1  # the kept state trains on

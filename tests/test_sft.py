@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 import rlkit as rk
@@ -139,3 +140,27 @@ def test_evaluate_reads_plain_prompts_and_refuses_an_empty_set():
         rk.evaluate(model, task.tokenizer, [], task.reward)
     with pytest.raises(ValueError, match="batch_size must be a positive int.*got 0"):
         rk.evaluate(model, task.tokenizer, task.test, task.reward, batch_size=0)
+
+
+def test_warmup_and_evaluate_check_model_tokenizer_and_context():
+    """Prompts past the model's context trained or evaluated silently (rollout refused them);
+    a TrainState or a None tokenizer failed with a bare AttributeError; warmup always left the
+    model in eval mode."""
+    task = rk.tasks.arithmetic(n_train=16, n_test=2)
+    model = rk.models.tiny(task.tokenizer, seed=0, hidden_size=32, intermediate_size=64, max_position_embeddings=16)
+    state = rk.init(model, rk.optim.adamw(lr=1e-3), tokenizer=task.tokenizer)
+    long = [{"prompt": "1" * 14 + "=", "answer": "2"}]
+    with pytest.raises(ValueError, match="evaluate: prompt 0 \\(15 tokens\\) with max_new_tokens=4 needs 19 positions, over the model's context of 16"):
+        rk.evaluate(model, task.tokenizer, long, task.reward, max_new_tokens=4)
+    with pytest.raises(ValueError, match="warmup: example 0 .* over the model's context of 16"):
+        warmup(model, task.tokenizer, [("1" * 14 + "=", "12345")], steps=1, batch_size=1)
+    with pytest.raises(TypeError, match="evaluate needs a tokenizer"):
+        rk.evaluate(model, None, task.test, task.reward, max_new_tokens=4)
+    with pytest.raises(TypeError, match="warmup takes a model, not a TrainState; pass state.actor"):
+        warmup(state, task.tokenizer, task.sft_examples, steps=1)
+    # a TrainState evaluates its actor
+    assert rk.evaluate(state, task.tokenizer, task.test, task.reward, max_new_tokens=4) == \
+        rk.evaluate(model, task.tokenizer, task.test, task.reward, max_new_tokens=4)
+    model.train()
+    warmup(model, task.tokenizer, task.sft_examples, steps=1, batch_size=2)
+    assert model.training  # the caller's mode is kept, as evaluate keeps it

@@ -59,6 +59,13 @@ def test_teacher_error_is_the_rate_of_wrong_demonstrations():
     (dict(teacher_noise="loud"), "teacher_noise"),
     (dict(ops="/"), "ops"),
     (dict(digits=0), "digits"),
+    (dict(digits=2.5), "digits"),
+    (dict(n_train=0), "n_train must be a positive int"),
+    (dict(n_test=-1), "n_test must be a positive int"),
+    (dict(n_sft=-1), "n_sft must be an int >= 0"),  # took all but the last training problem
+    # 1-digit additions make 100 problems: the test set took all of them and the training set
+    # failed later as "the prompt set is empty"
+    (dict(digits=1), "n_train=4000 \\+ n_test=200 distinct problems asked for, but 1-digit operands with ops '\\+' make only 100"),
 ])
 def test_bad_arguments_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

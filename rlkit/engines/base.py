@@ -7,19 +7,24 @@ Row order is prompt-major: row ``i * n + j`` is the ``j``-th sample of prompt ``
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, Sequence, runtime_checkable
+from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
+
+from rlkit._checks import int_at_least
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample. ``temperature == 0`` means greedy decoding.
 
-    ``top_k <= 0`` and ``top_p >= 1`` disable those filters. ``stop_token_ids``: generation of a
-    row ends after it samples one of them (the stop token is part of the response and of its
-    mask). ``ignore_stop`` forces exactly ``max_new_tokens`` tokens (benchmarks).
+    ``top_k <= 0`` and ``top_p = 1`` disable those filters (``top_p`` is in ``(0, 1]``).
+    ``stop_token_ids``: generation of a row ends after it samples one of them (the stop token is
+    part of the response and of its mask). ``ignore_stop`` forces exactly ``max_new_tokens``
+    tokens (benchmarks).
     """
 
     n: int = 1
@@ -31,14 +36,25 @@ class SamplingParams:
     ignore_stop: bool = False
 
     def __post_init__(self):
-        if self.n < 1:
-            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        int_at_least(self.n, "SamplingParams.n")
+        int_at_least(self.max_new_tokens, "SamplingParams.max_new_tokens")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
+            raise ValueError(f"SamplingParams.top_k must be an int (<= 0: no top-k filter), got {self.top_k!r}")
+        if not _real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be a number in (0, 1] (1: no top-p filter), got {self.top_p!r}")
+        stop = self.stop_token_ids
+        if isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in stop
+        ):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of token ids (ints >= 0), got {stop!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
+
+
+def _real(x) -> bool:
+    """A real number that is not a bool (NaN included: the range checks then reject it)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 @dataclass

@@ -69,6 +69,20 @@ class Recipe:
             if getattr(self, field_name) is not None:
                 int_at_least(getattr(self, field_name), f"{name}.{field_name}", 1, " or None")
         int_at_least(self.epochs, f"{name}.epochs", 1)
+        mgn = self.max_grad_norm
+        if mgn is not None and (isinstance(mgn, bool) or not isinstance(mgn, (int, float)) or not 0 < mgn < float("inf")):
+            # a negative norm used to be accepted and turned every update into gradient ascent
+            raise ValueError(f"{name}.max_grad_norm must be a finite number > 0, or None (no clipping), got {mgn!r}")
+        # names too: a misspelt loss, option or aggregation used to surface after the first rollout
+        from rlkit.algos import AGGREGATIONS
+        from rlkit.transforms.update import _resolve_loss
+
+        try:
+            _resolve_loss(self.loss, self.loss_kw)
+            if self.agg is not None:
+                AGGREGATIONS.get(self.agg)
+        except (KeyError, ValueError, TypeError) as e:
+            raise ValueError(f"{name}: {e}") from None
 
     def with_(self, **changes) -> "Recipe":
         return replace(self, **changes)

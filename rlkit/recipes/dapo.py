@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from rlkit._checks import int_at_least
+
 from rlkit.recipes.base import Recipe, reward_metrics
 from rlkit.state import fold_in
 from rlkit.transforms.advantage import advantage
@@ -44,6 +46,11 @@ class DAPO(Recipe):
     overlong_buffer: int = 4
     overlong_factor: float = 1.0
     max_attempts: int = 3
+
+    def __post_init__(self):
+        super().__post_init__()
+        int_at_least(self.max_attempts, "DAPO.max_attempts", 1, " (rollouts per step to fill the batch)")
+        int_at_least(self.overlong_buffer, "DAPO.overlong_buffer", 0)
 
     def step(self, state, prompts, reward):
         kept, sampled, attempts = [], 0, 0

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+from rlkit._checks import int_at_least
+
 from rlkit.data import load_prompts
 from rlkit.rewards import exact_match
 from rlkit.tasks.base import Task
@@ -65,13 +67,25 @@ def arithmetic(
     bad = [o for o in ops if o not in OPS]
     if bad or not ops:
         raise ValueError(f"arithmetic ops must be a subset of {OPS}, got {ops!r}")
-    if not 1 <= digits <= 6:
-        raise ValueError(f"digits must be between 1 and 6, got {digits}")
-    rng = random.Random(seed)
+    if isinstance(digits, bool) or not isinstance(digits, int) or not 1 <= digits <= 6:
+        raise ValueError(f"digits must be an int between 1 and 6, got {digits!r}")
+    int_at_least(n_train, "arithmetic: n_train", 1)
+    int_at_least(n_test, "arithmetic: n_test", 1)
+    if n_sft is not None:
+        int_at_least(n_sft, "arithmetic: n_sft", 0, " or None (every training problem)")
     hi = 10**digits - 1
+    possible = len(ops) * (hi + 1) ** 2
+    if n_train + n_test > possible:
+        # the test set is taken first: the training set used to come out empty, and fail later
+        # as "the prompt set is empty"
+        raise ValueError(
+            f"arithmetic: n_train={n_train} + n_test={n_test} distinct problems asked for, but {digits}-digit operands "
+            f"with ops {''.join(ops)!r} make only {possible}; lower n_train/n_test or raise digits"
+        )
+    rng = random.Random(seed)
     seen: set[tuple[int, int, str]] = set()
     rows = []
-    limit = min(n_train + n_test, len(ops) * (hi + 1) ** 2)
+    limit = n_train + n_test
     while len(rows) < limit:
         a, b, op = rng.randint(0, hi), rng.randint(0, hi), rng.choice(ops)
         if (a, b, op) in seen:

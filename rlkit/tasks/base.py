@@ -20,5 +20,6 @@ class Task:
     info: dict[str, Any] = field(default_factory=dict)
 
     def prompts(self, batch_size: int, steps: int, *, seed: int = 0, start: int = 0) -> Iterator[Prompts]:
-        """``steps`` training batches (deterministic order; ``start`` resumes mid-stream)."""
+        """The training batches at stream positions ``start`` .. ``steps - 1`` (deterministic order;
+        ``steps`` is the whole run's length, so a run resumed at ``start`` gets what it has left)."""
         return self.train.batches(batch_size, steps, seed=seed, start=start)

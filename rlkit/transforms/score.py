@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 import operator
 from collections import abc
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -217,6 +218,71 @@ def _run_one(fn: Callable, batch: Batch, prompts: Sequence[str], completions: Se
     return tensor
 
 
+BUILT_IN_REWARDS = ("exact_match", "math_answer", "hash_format")
+
+
+def _resolve_reward(fn: Any) -> Callable:
+    """A reward function, or the name of one of :mod:`rlkit.rewards`'s (``"exact_match"``)."""
+    if isinstance(fn, str):
+        from rlkit import rewards
+
+        if fn not in BUILT_IN_REWARDS:
+            raise RewardError(f"unknown reward {fn!r}; built-in rewards by name: {', '.join(BUILT_IN_REWARDS)} "
+                              "(or pass a function, e.g. rk.rewards.format_reward(pattern))")
+        return getattr(rewards, fn)
+    if not callable(fn):
+        raise RewardError(f"a reward must be a function (or a built-in reward's name: {', '.join(BUILT_IN_REWARDS)}), "
+                          f"got {type(fn).__name__} {fn!r:.60}")
+    return fn
+
+
+def _reward_functions(reward: Any) -> dict[str, Callable]:
+    """``{name: function}`` from one reward, a list of them or a ``{name: reward}`` dict."""
+    if reward is None:
+        raise RewardError("reward is None; pass a reward function, a list of them or a {name: function} dict "
+                          f"(built-in: {', '.join(BUILT_IN_REWARDS)})")
+    if isinstance(reward, Mapping):
+        fns = {str(k): _resolve_reward(v) for k, v in reward.items()}
+    elif callable(reward) or isinstance(reward, str):
+        fn = _resolve_reward(reward)
+        fns = {_name(fn): fn}
+    elif isinstance(reward, Iterable):
+        fns = {}
+        for fn in map(_resolve_reward, reward):
+            key, k = _name(fn), 1
+            while key in fns:
+                k += 1
+                key = f"{_name(fn)}_{k}"
+            fns[key] = fn
+    else:
+        raise RewardError(f"reward must be a function, a list of them or a dict, got {type(reward).__name__} {reward!r:.60}")
+    if not fns:
+        raise RewardError("score needs at least one reward function")
+    return fns
+
+
+def _reward_weights(weights: Any, fns: Mapping[str, Callable]) -> dict[str, float]:
+    """One finite weight per reward function (all 1 without ``weights``)."""
+    if weights is None:
+        return {k: 1.0 for k in fns}
+    if isinstance(weights, Mapping):
+        missing, extra = set(fns) - set(weights), set(weights) - set(fns)
+        if missing or extra:
+            raise RewardError(f"weights must name exactly the reward functions {sorted(fns)}; "
+                              f"missing {sorted(missing)}, unknown {sorted(map(str, extra))}")
+        values = [weights[k] for k in fns]
+    elif isinstance(weights, Iterable) and not isinstance(weights, (str, bytes)):
+        values = list(weights)
+        if len(values) != len(fns):
+            raise RewardError(f"weights has {len(values)} values for {len(fns)} reward functions")
+    else:
+        raise RewardError(f"weights must be a list (one per reward function) or a {{name: weight}} dict, got {weights!r}")
+    for k, v in zip(fns, values):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+            raise RewardError(f"weight of reward {k!r} must be a finite number, got {v!r}")
+    return {k: float(v) for k, v in zip(fns, values)}
+
+
 def score(
     batch: Batch,
     reward: Callable | Sequence[Callable] | Mapping[str, Callable],
@@ -224,34 +290,14 @@ def score(
     weights: Sequence[float] | Mapping[str, float] | None = None,
     tokenizer: Any = None,
 ) -> Batch:
-    """Score every response; returns a new Batch with ``rewards (b)`` and ``reward/<name> (b)``."""
+    """Score every response; returns a new Batch with ``rewards (b)`` and ``reward/<name> (b)``.
+
+    ``reward``: a function, a list of them, or a ``{name: function}`` dict; a built-in reward may
+    be given by name (:data:`BUILT_IN_REWARDS`: ``"exact_match"``, ...). ``weights``: one finite
+    number per function (a list, or a dict naming exactly the functions); default 1 each."""
     validate(batch, require=("response_ids", "response_mask"))
-    if isinstance(reward, Mapping):
-        fns = dict(reward)
-    elif callable(reward):
-        fns = {_name(reward): reward}
-    else:
-        fns = {}
-        for fn in reward:
-            key, k = _name(fn), 1
-            while key in fns:
-                k += 1
-                key = f"{_name(fn)}_{k}"
-            fns[key] = fn
-    if not fns:
-        raise RewardError("score needs at least one reward function")
-    if weights is None:
-        w = {k: 1.0 for k in fns}
-    elif isinstance(weights, Mapping):
-        missing = set(fns) - set(weights)
-        if missing:
-            raise RewardError(f"weights has no entry for reward(s) {sorted(missing)}; weights keys: {sorted(weights)}")
-        w = {k: float(weights[k]) for k in fns}
-    else:
-        weights = list(weights)
-        if len(weights) != len(fns):
-            raise RewardError(f"weights has {len(weights)} values for {len(fns)} reward functions")
-        w = dict(zip(fns, map(float, weights)))
+    fns = _reward_functions(reward)
+    w = _reward_weights(weights, fns)
     needs_text = any(reward_style(fn) != "batch" for fn in fns.values())
     # decoded on first access (LazyRows), inside each reward's range: a reward split over ranks
     # decodes only its rows

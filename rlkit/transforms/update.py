@@ -175,6 +175,9 @@ def update(
         raise BatchError("batch has neither 'old_logprobs' nor 'logprobs'; batches from rk.rollout carry logprobs, or call rk.compute_old_logprobs(state, batch)")
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                      or not 0 < max_grad_norm < float("inf")):
+        raise ValueError(f"max_grad_norm must be a finite number > 0, or None (no clipping), got {max_grad_norm!r}")
     loss_fn, loss_kw, wants_generator, loss_accepts = _resolve_loss(loss, loss_kw)
     kl_mode, kl_coef = _resolve_kl(kl)
     if kl_coef and "ref_logprobs" not in keys:

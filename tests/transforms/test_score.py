@@ -161,3 +161,20 @@ def test_reward_functions_get_plain_lists_of_decoded_text():
     assert got["completions"] == ["12", "3"] and got["prompts"] == ["ab", "ca"]
     assert all(type(v) is list for v in got.values())
     assert got["ids"] == [tok.encode("12"), tok.encode("3")]
+
+
+def test_built_in_rewards_by_name_and_bad_rewards_or_weights_are_named():
+    """A name was iterated as a list of callables ("'e' is not a callable object"); a NaN weight
+    made every reward NaN silently; a weight for no function was ignored."""
+    by_name = rk.score(_batch(), "exact_match")
+    assert by_name["rewards"].tolist() == rk.score(_batch(), exact_match)["rewards"].tolist() == [1.0, 0.0, 0.0]
+    assert rk.score(_batch(), ["exact_match", "hash_format"])["rewards"].tolist() == [1.0, 0.0, 1.0]
+    for reward, match in ((None, "reward is None"), ("exactmatch", "unknown reward 'exactmatch'.*exact_match"),
+                          ([exact_match, 3], "a reward must be a function"), (3, "reward must be a function, a list")):
+        with pytest.raises(rk.RewardError, match=match):
+            rk.score(_batch(), reward)
+    for weights, match in (([float("nan")], "weight of reward 'exact_match' must be a finite number, got nan"),
+                           (2.0, "weights must be a list"),
+                           ({"exact_match": 1.0, "other": 2.0}, "unknown \\['other'\\]")):
+        with pytest.raises(rk.RewardError, match=match):
+            rk.score(_batch(), exact_match, weights=weights)
