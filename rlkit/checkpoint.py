@@ -18,6 +18,9 @@ file systems). A crash at any point leaves either the previous checkpoints untou
 ``*.tmp-*`` directory (ignored, then deleted by the next :class:`Checkpointer`), or the new
 complete checkpoint. A directory without ``COMPLETE`` is never loaded.
 
+Timelines: saving step k next to checkpoints of later steps (the run was restored from an older
+one) moves those into ``<root>/abandoned/``, where nothing looks for the newest (see :func:`save`).
+
 The reference model is saved whenever the state has one: it cannot be rebuilt in general
 (``rk.init(..., ref="copy")`` snapshots the actor *after* a warm-up, which a resumed job skips).
 Pass ``save_ref=False`` when your ref is loaded from a fixed directory anyway.
@@ -51,6 +54,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from rlkit._checks import int_at_least
 from rlkit.state import TrainState
 
 FORMAT_VERSION = 1
@@ -193,6 +197,37 @@ def prune(root: str | os.PathLike, keep: int, *, protect: Iterable[str | os.Path
         shutil.rmtree(doomed, ignore_errors=True)
         removed.append(path)
     return removed
+
+
+ABANDONED = "abandoned"
+
+
+def _set_aside_newer(root: Path, step: int) -> list[Path]:
+    """Move the checkpoints of an abandoned timeline (steps > ``step``, and ``step`` itself when
+    there are such) into ``root/abandoned/``; returns their new paths. See :func:`save`."""
+    found = list_checkpoints(root)
+    if not any(s > step for s, _ in found):
+        return []
+    stale = [p for s, p in found if s >= step]
+    where = root / ABANDONED
+    where.mkdir(exist_ok=True)
+    moved = []
+    for path in stale:
+        target, n = where / path.name, 1
+        while target.exists():  # an earlier rollback left one of the same step: keep both
+            n += 1
+            target = where / f"{path.name}-{n}"
+        os.replace(path, target)
+        moved.append(target)
+    _fsync_dir(root)
+    warnings.warn(
+        f"saving step {step} into {root}, which holds checkpoints of later steps ({', '.join(p.name for p in stale)}): "
+        f"they belong to a timeline this run left (it was restored from an older checkpoint, or started afresh here), "
+        f"so they were moved to {where} ({', '.join(p.name for p in moved)}), where resume('auto') and keep-pruning "
+        f"do not look; restore one explicitly by its path if you need it",
+        RuntimeWarning, stacklevel=3,
+    )
+    return moved
 
 
 def _previous(path: Path) -> Path | None:
@@ -428,14 +463,28 @@ def save(
     checkpoints (None: keep all). ``checksum``: record each file's sha256 in the manifest (sizes
     are always recorded). A collective on N processes: every rank must call it.
     An existing checkpoint of the same step is replaced (after the new one is complete).
+
+    Timelines: checkpoints of steps above ``step`` can only come from a run this one abandoned
+    (it was restored from an older checkpoint, or started afresh in the same directory). Left in
+    place they would be what ``resume("auto")`` picks and what keep-last-N spares, while this run's
+    own checkpoints were pruned. So they, and the old checkpoint of ``step`` itself, are moved
+    (not deleted) into ``root/abandoned/`` with a warning, just before the new one is put in place.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"save expects a TrainState, got {type(state).__name__}")
     state._check()
     import torch.distributed.checkpoint as dcp
 
+    if step is not None:
+        int_at_least(step, "step", 0, " (the checkpoint's step; None: state.step)")
+    if keep is not None:
+        int_at_least(keep, "keep", 0, " or None (how many checkpoints to keep; 0 or None: every one)")
+    if not isinstance(root, (str, os.PathLike)):
+        raise ValueError(f"root must be a path (str or os.PathLike), got {type(root).__name__} {root!r}")
     step = int(state.step if step is None else step)
     root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"root {str(root)!r} is a file, not a folder; give the checkpoints folder (it is created when missing)")
     name = step_dir_name(step)
     tmp = root / f"{name}.tmp-{_broadcast(uuid.uuid4().hex[:12])}"
     final = root / name
@@ -469,6 +518,8 @@ def save(
         if _rank() == 0:
             _write_marker(tmp, {"format": FORMAT_VERSION, "step": step, "files": files})
             _fsync_dir(tmp)
+            # before the rename: a crash in between never leaves the abandoned ones as "latest"
+            _set_aside_newer(root, step)
             old = None
             if final.exists():
                 old = final.with_name(f"{name}.old-{uuid.uuid4().hex[:8]}")
@@ -723,14 +774,19 @@ class Checkpointer:
 
     ``every``: :meth:`maybe_save` saves when ``state.step % every == 0`` (0: only on SIGTERM and
     explicit :meth:`save`). ``keep``: keep the newest ``keep`` checkpoints (0 or None: all).
-    ``save_on_sigterm``: install a SIGTERM handler (main thread only) that makes the next
-    :meth:`maybe_save` (i.e. the next step boundary) save and raise :class:`Preempted`
-    (a ``SystemExit`` with status 143); a second SIGTERM exits at once. :meth:`close` restores
-    the previous handler. Creating a Checkpointer deletes leftovers of interrupted saves.
+    ``save_on_sigterm``: while the training loop runs (inside :meth:`armed`, which ``rk.fit``
+    enters), a SIGTERM makes the next :meth:`maybe_save` (i.e. the next step boundary) save and
+    raise :class:`Preempted` (a ``SystemExit`` with status 143); a second SIGTERM exits at once.
+    Outside that window SIGTERM does what it did before (by default: terminate), so a script that
+    goes on after ``fit`` stays killable. Creating a Checkpointer deletes leftovers of interrupted
+    saves. Saving step k moves checkpoints of steps >= k aside into ``directory/abandoned/`` (a
+    run restored from an older checkpoint starts a new timeline; see :func:`save`).
 
         ckpt = Checkpointer("run/checkpoints", every=50, keep=3)
-        state = ckpt.resume(state, "auto")         # newest good checkpoint, or unchanged
+        state = ckpt.resume(state, "auto")         # newest checkpoint that verifies, or unchanged
         state, history = rk.fit(state, ..., checkpointer=ckpt)
+
+    A loop of your own arms the handler itself: ``with ckpt.armed(): for ...: ckpt.maybe_save(state)``.
     """
 
     def __init__(
@@ -743,51 +799,93 @@ class Checkpointer:
         checksum: bool = True,
         save_ref: bool = True,
     ):
-        if every is None or every < 0:
-            raise ValueError(f"every must be >= 0 (0: no periodic saves), got {every!r}")
-        if keep is not None and keep < 0:
-            raise ValueError(f"keep must be >= 0 (0 or None: keep every checkpoint), got {keep!r}")
+        int_at_least(every, "every", 0, " (steps between periodic saves; 0: only on SIGTERM and explicit save)")
+        if keep is not None:
+            int_at_least(keep, "keep", 0, " or None (how many checkpoints to keep; 0 or None: every one)")
+        if not isinstance(directory, (str, os.PathLike)):
+            raise ValueError(f"directory must be a path (str or os.PathLike), got {type(directory).__name__} {directory!r}")
+        if Path(directory).exists() and not Path(directory).is_dir():
+            raise ValueError(f"directory {str(directory)!r} is a file, not a folder; give a checkpoints folder (it is created when missing)")
         self.directory = Path(directory)
-        self.every = int(every)
+        self.every = every
         self.keep = keep
+        self.save_on_sigterm = save_on_sigterm
         self.checksum = checksum
         self.save_ref = save_ref
         self.last_saved_step: int | None = None
         self.last_save_seconds: float | None = None
         self.last_save_bytes: int | None = None
         self._sigterm = threading.Event()
+        self._preempt_raised = False
         self._previous_handler = None
         self._installed = False
         if _rank() == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             cleanup(self.directory)
         _barrier()
-        if save_on_sigterm:
-            self._install()
 
     # signals ----------------------------------------------------------------------
-    def _install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread
+    # The handler is installed only around the loop (armed), never at construction: a handler
+    # left behind after the loop would swallow every later SIGTERM (it only sets a flag that
+    # nobody reads any more), and one Checkpointer built per notebook-cell run would chain onto
+    # the previous, stale one.
+    @contextlib.contextmanager
+    def armed(self):
+        """Within this block, SIGTERM asks :meth:`maybe_save` to save and raise :class:`Preempted`.
+
+        On exit the previous handler is restored; a SIGTERM that arrived after the last
+        :meth:`maybe_save` (so nothing was saved for it) is then re-sent to that handler, so it is
+        never lost. Nested use (or ``save_on_sigterm=False``, or a non-main thread) is a no-op."""
+        if not self._arm():
+            yield self
+            return
+        try:
+            yield self
+        finally:
+            # (not after a second SIGTERM: that one already went to the previous handler)
+            pending = self._installed and self._sigterm.is_set() and not self._preempt_raised
+            self._disarm()
+            if pending:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def _arm(self) -> bool:
+        if not self.save_on_sigterm or self._installed or threading.current_thread() is not threading.main_thread():
+            return False  # signal handlers can only be set from the main thread
+        self._sigterm.clear()
+        self._preempt_raised = False
         self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         self._installed = True
+        return True
+
+    def _exit_handler(self):
+        """What a second SIGTERM falls back to: the previous handler when it is the user's own
+        function, else the default (terminate); never another Checkpointer's flag-setter, which
+        would swallow it and break "a second SIGTERM exits at once"."""
+        prev = self._previous_handler
+        if callable(prev) and not isinstance(getattr(prev, "__self__", None), Checkpointer):
+            return prev
+        return signal.SIG_DFL
 
     def _on_sigterm(self, signum, frame) -> None:
         if self._sigterm.is_set():
             # second SIGTERM: stop waiting for the step boundary
-            signal.signal(signal.SIGTERM, self._previous_handler if callable(self._previous_handler) else signal.SIG_DFL)
+            self._installed = False
+            signal.signal(signal.SIGTERM, self._exit_handler())
             os.kill(os.getpid(), signal.SIGTERM)
             return
         self._sigterm.set()
 
-    def close(self) -> None:
-        """Restore the SIGTERM handler that was there before (if ours is still the active one)."""
+    def _disarm(self) -> None:
         if not self._installed or threading.current_thread() is not threading.main_thread():
             return
         self._installed = False
-        # a later handler (another Checkpointer's, the user's) stays in place
+        # a later handler (the user's, set inside the loop) stays in place
         if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
             signal.signal(signal.SIGTERM, self._previous_handler if self._previous_handler is not None else signal.SIG_DFL)
+
+    def close(self) -> None:
+        """Restore the SIGTERM handler that was there before :meth:`armed` (if ours is still active)."""
+        self._disarm()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -806,7 +904,7 @@ class Checkpointer:
         return self._sigterm.is_set()
 
     def _stop_requested(self) -> bool:
-        flag = self._sigterm.is_set()
+        flag = self._sigterm.is_set() and self._installed  # a flag left from an earlier loop is stale
         if _world() > 1:
             # every rank must agree, or one would enter the save collective alone
             t = torch.tensor([int(flag)], device=_collective_device())
@@ -828,6 +926,7 @@ class Checkpointer:
         """Call after every step: saves every ``every`` steps, and on SIGTERM saves then exits."""
         if self._stop_requested():
             path = self.save(state) if self.last_saved_step != state.step else latest(self.directory)
+            self._preempt_raised = True
             self.close()
             raise Preempted(str(path))
         if self.every and state.step % self.every == 0 and state.step != self.last_saved_step:
@@ -852,13 +951,47 @@ class Checkpointer:
         return state
 
     def resume(self, template: TrainState, how: str | os.PathLike | None = "auto") -> TrainState:
-        """``"auto"``: restore the newest complete checkpoint, or return ``template`` when there is
-        none; a path: restore that checkpoint (see :func:`resolve`); None/"never": ``template``."""
-        if how is None or how is False or how == "never":
+        """``"auto"``: restore the newest checkpoint that verifies, or return ``template`` when there
+        is none; a path: restore that checkpoint (see :func:`resolve`); None/"never": ``template``.
+
+        "auto" is what a restarted job runs unattended, so a newest checkpoint that fails its
+        check (a crash or a full disk after its marker) is skipped with a warning naming it, and
+        the next older one is restored; when none verifies it raises, rather than silently
+        starting over (a fresh run would then set every one of them aside as abandoned)."""
+        if how is None or how is False or (isinstance(how, str) and how == "never"):
             return template
-        if how == "auto":
-            return self.restore(template) if self.latest() is not None else template
+        if not isinstance(how, (str, os.PathLike)):
+            raise ValueError(f"how must be 'auto', 'never', None or a checkpoint path (str or os.PathLike), got {how!r}")
+        if isinstance(how, str) and how == "auto":
+            return self._resume_auto(template)
         return self.restore(template, resolve(how))
+
+    def _resume_auto(self, template: TrainState) -> TrainState:
+        found = list_checkpoints(self.directory)
+        if not found:
+            return template
+        skipped: list[tuple[Path, CheckpointCorruptError]] = []
+        for _, path in reversed(found):
+            try:
+                verify(path, checksum=self.checksum)  # collective: every rank gets the same answer
+            except CheckpointCorruptError as exc:
+                skipped.append((path, exc))
+                continue
+            if skipped:
+                warnings.warn(
+                    f"resume('auto'): skipped {len(skipped)} corrupted checkpoint(s) newer than {path.name}: "
+                    + "; ".join(f"{p}: {str(e).split('; ')[0]}" for p, e in skipped)
+                    + f". Restoring {path}; inspect or delete the broken one(s)",
+                    RuntimeWarning, stacklevel=3,
+                )
+            # sizes only on load: the sha256 of every file was just checked
+            state = load(template, path, checksum=False, load_ref=self.save_ref)
+            self.last_saved_step = state.step
+            return state
+        raise CheckpointCorruptError(
+            f"resume('auto'): none of the {len(found)} checkpoint(s) in {str(self.directory)!r} verifies "
+            f"(newest: {skipped[0][1]}); start a fresh run in a new directory, or repair one"
+        ) from skipped[0][1]
 
 
 def _collective_device() -> torch.device:

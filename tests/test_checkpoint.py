@@ -2,10 +2,12 @@
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -180,8 +182,8 @@ def test_keep_last_n_and_marker_less_directories(tmp_path, char_tok):
         assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [6, 8, 10]
         assert saver.latest() == tmp_path / "step_000010"
         assert saver.last_save_bytes == ck.checkpoint_bytes(tmp_path / "step_000010") > 0
-    # keep=None keeps all; saving a step again replaces it
-    again = ck.save(state.replace(step=8, data_position=42), tmp_path)
+    # keep=None keeps all; saving the newest step again replaces it (an older one: see the timeline test)
+    again = ck.save(state.replace(step=10, data_position=42), tmp_path)
     assert ck.load(_state(char_tok, ref=False), again).data_position == 42
     assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [6, 8, 10]
 
@@ -190,17 +192,87 @@ def test_sigterm_saves_at_the_next_step_boundary_then_exits(tmp_path, char_tok):
     state = _state(char_tok, ref=False).replace(step=3)
     before = signal.getsignal(signal.SIGTERM)
     saver = ck.Checkpointer(tmp_path, every=100)
-    try:
-        assert saver.maybe_save(state) is None
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert saver.preempted  # the handler only sets a flag: the step in flight finishes
-        with pytest.raises(ck.Preempted) as info:
+    assert signal.getsignal(signal.SIGTERM) == before  # nothing installed until the loop runs
+    with pytest.raises(ck.Preempted) as info:
+        with saver.armed():
+            assert signal.getsignal(signal.SIGTERM) == saver._on_sigterm
+            assert saver.maybe_save(state) is None
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert saver.preempted  # the handler only sets a flag: the step in flight finishes
             saver.maybe_save(state.replace(step=4))
-        assert info.value.code == 143 and info.value.path.endswith("step_000004")
-        assert ck.latest(tmp_path) == tmp_path / "step_000004"
-    finally:
-        saver.close()
+    assert info.value.code == 143 and info.value.path.endswith("step_000004")
+    assert ck.latest(tmp_path) == tmp_path / "step_000004"
     assert signal.getsignal(signal.SIGTERM) == before
+    # a later loop with the same Checkpointer starts clean: the old flag does not preempt it
+    with saver.armed():
+        assert saver.maybe_save(state.replace(step=5)) is None
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def _sigterm_after_loop(d, say):
+    # the notebook cell run twice, then work after the loop: SIGTERM must terminate (was swallowed)
+    ck.Checkpointer(d, every=1)
+    saver = ck.Checkpointer(d, every=1)
+    with saver.armed():
+        pass
+    say("ready")
+
+
+def _sigterm_twice_in_loop(d, say):
+    # inside the loop the first SIGTERM only sets the flag; the second exits at once, even with a
+    # stale Checkpointer from an earlier cell around (its handler once swallowed the second one)
+    ck.Checkpointer(d, every=1)
+    saver = ck.Checkpointer(d, every=1)
+    with saver.armed():
+        say("ready")
+        while not saver.preempted:
+            time.sleep(0.005)
+        say("flagged")
+        time.sleep(20)
+
+
+def _sigterm_after_last_boundary(d, say):
+    # a SIGTERM after the loop's last maybe_save is not lost: on exit the previous handler gets it
+    saver = ck.Checkpointer(d, every=1)
+    with saver.armed():
+        say("ready")
+        while not saver.preempted:
+            time.sleep(0.005)
+
+
+@pytest.mark.parametrize("case", [_sigterm_after_loop, _sigterm_twice_in_loop, _sigterm_after_last_boundary])
+def test_sigterm_handler_only_while_the_loop_runs(tmp_path, case):
+    # a forked copy of this process (no torch work in it): a SIGTERM must kill it, as by default
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        code = 1
+        try:
+            os.close(r)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            case(tmp_path, lambda msg: os.write(w, msg.encode() + b"\n"))
+            time.sleep(20)
+            code = 0  # still alive: the SIGTERM was swallowed
+        finally:
+            os._exit(code)
+    os.close(w)
+    done, status = 0, 0
+    try:
+        with os.fdopen(r) as pipe:
+            assert pipe.readline().strip() == "ready"
+            os.kill(pid, signal.SIGTERM)
+            if case is _sigterm_twice_in_loop:
+                assert pipe.readline().strip() == "flagged"  # the first one did not kill it
+                os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while not done and time.monotonic() < deadline:
+                time.sleep(0.01)
+                done, status = os.waitpid(pid, os.WNOHANG)
+    finally:
+        if not done:
+            os.kill(pid, signal.SIGKILL)
+            status = os.waitpid(pid, 0)[1]
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, f"child status {status}: SIGTERM did not terminate it"
 
 
 def test_resume_auto_and_missing_checkpoints(tmp_path, char_tok):
@@ -255,6 +327,71 @@ def test_truncated_or_corrupted_checkpoint_names_file_and_previous(tmp_path, cha
     (first / ck.MARKER).write_text("{not json")
     with pytest.raises(ck.CheckpointCorruptError, match="file COMPLETE .* is corrupted .* there is no older checkpoint"):
         ck.load(_state(char_tok, ref=False), first)
+
+
+def test_saving_an_older_step_sets_the_abandoned_timeline_aside(tmp_path):
+    # run A saves steps 2, 4, 6; run B rolls back to step 2 (A diverged) and saves step 4
+    run_a = ck.Checkpointer(tmp_path, every=2, keep=3, save_on_sigterm=False)
+    for step in (2, 4, 6):
+        run_a.save(_linear_state().replace(step=step, extras={"run": "A"}))
+    run_b = ck.Checkpointer(tmp_path, every=2, keep=2, save_on_sigterm=False)
+    b2 = run_b.restore(_linear_state(seed=1), tmp_path / "step_000002")
+    with pytest.warns(RuntimeWarning, match=r"later steps \(step_000004, step_000006\).* moved to .*abandoned"):
+        run_b.save(b2.replace(step=4, extras={"run": "B"}))
+    # pruning (keep=2) and "auto" see run B's timeline only; nothing of run A was deleted
+    assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [2, 4]
+    assert sorted(p.name for p in (tmp_path / "abandoned").iterdir()) == ["step_000004", "step_000006"]
+    resumed = ck.Checkpointer(tmp_path, keep=2, save_on_sigterm=False).resume(_linear_state(seed=2), "auto")
+    assert (resumed.step, resumed.extras) == (4, {"run": "B"})
+    assert ck.load(_linear_state(seed=2), tmp_path / "abandoned" / "step_000006").extras == {"run": "A"}
+    # a second rollback (to step 2, then saving step 3) keeps both abandoned step-4 checkpoints
+    with pytest.warns(RuntimeWarning, match="step_000004-2"):
+        run_b.save(_linear_state().replace(step=3, extras={"run": "C"}))
+    assert sorted(p.name for p in (tmp_path / "abandoned").iterdir()) == ["step_000004", "step_000004-2", "step_000006"]
+    assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [2, 3]
+
+
+def test_resume_auto_skips_a_corrupted_newest_checkpoint(tmp_path):
+    saver = ck.Checkpointer(tmp_path, keep=None, save_on_sigterm=False)
+    for step in (1, 2, 3):
+        saver.save(_linear_state().replace(step=step))
+    for step in (3, 2):  # the newest two: same size, one flipped byte (only the checksum tells)
+        data = tmp_path / ck.step_dir_name(step) / "__0_0.distcp"
+        blob = data.read_bytes()
+        data.write_bytes(blob[:50] + bytes([blob[50] ^ 0xFF]) + blob[51:])
+    with pytest.warns(RuntimeWarning, match=r"skipped 2 corrupted checkpoint\(s\) newer than step_000001: .*step_000003: .*sha256.*step_000002"):
+        restored = saver.resume(_linear_state(seed=1), "auto")
+    assert restored.step == 1 and saver.last_saved_step == 1
+    torch.manual_seed(0)
+    assert torch.equal(restored.actor.weight, torch.nn.Linear(4, 3).weight)
+    # an explicit path still fails loudly, and "auto" refuses to start over when none verifies
+    with pytest.raises(ck.CheckpointCorruptError, match="step_000003 is corrupted"):
+        saver.resume(_linear_state(), tmp_path / "step_000003")
+    (tmp_path / "step_000001" / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(ck.CheckpointCorruptError, match="none of the 3 checkpoint"):
+        saver.resume(_linear_state(), "auto")
+
+
+def test_arguments_are_checked_with_errors_that_name_them(tmp_path):
+    for bad in ("5", 2.5, None, -1, True):
+        with pytest.raises(ValueError, match=r"every must be an int >= 0 .*got " + re.escape(repr(bad))):
+            ck.Checkpointer(tmp_path, every=bad, save_on_sigterm=False)
+    for bad in ("3", 1.5, -1):
+        with pytest.raises(ValueError, match=r"keep must be an int >= 0 or None .*got " + re.escape(repr(bad))):
+            ck.Checkpointer(tmp_path, keep=bad, save_on_sigterm=False)
+    saver = ck.Checkpointer(tmp_path / "ok", every=2, keep=None, save_on_sigterm=False)
+    for bad in (True, 5, ["auto"]):
+        with pytest.raises(ValueError, match=r"how must be 'auto', 'never', None or a checkpoint path .*got " + re.escape(repr(bad))):
+            saver.resume(_linear_state(), bad)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match=f"root '{a_file}' is a file, not a folder"):
+        ck.save(_linear_state(), a_file)
+    with pytest.raises(ValueError, match=f"directory '{a_file}' is a file, not a folder"):
+        ck.Checkpointer(a_file, save_on_sigterm=False)
+    with pytest.raises(ValueError, match=r"step must be an int >= 0 .*got 2.5"):
+        ck.save(_linear_state(), tmp_path / "ok", step=2.5)
+    assert a_file.read_text() == "x" and not list((tmp_path / "ok").iterdir())
 
 
 class _Toy(torch.nn.Module):

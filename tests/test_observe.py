@@ -1,4 +1,5 @@
 """The metric sinks: the console bar's layout, the Prometheus endpoint and the wandb run."""
+import importlib.util
 import io
 import re
 import urllib.error
@@ -85,3 +86,161 @@ def test_wandb_sink_runs_offline_without_a_key_and_logs_each_step(tmp_path, monk
     assert str(tmp_path) in run_dir
     files = [p.name for p in tmp_path.rglob("*.wandb")]
     assert files, "no offline run file was written"
+
+
+def test_jsonl_writes_numpy_scalars_and_0d_tensors_as_numbers(tmp_path):
+    """An ``eval_fn`` may return numpy scalars or 0-d tensors: they are numbers in the file, and
+    non-finite ones are null as a float's are (a strict JSON reader rejects NaN)."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from rlkit.observe.sinks import JSONLSink
+
+    sink = JSONLSink(tmp_path / "m.jsonl", mode="w")
+    sink.on_step(1, {"f32": np.float32(0.5), "i64": np.int64(3), "t": torch.tensor(0.25), "ti": torch.tensor(7),
+                     "grad": torch.tensor(2.0, requires_grad=True) * 1, "nan32": np.float32("nan"),
+                     "inf_t": torch.tensor(float("inf")), "nan": float("nan"), "s": "text", "none": None, "b": True})
+    sink.close()
+    line = (tmp_path / "m.jsonl").read_text()
+    assert "NaN" not in line and "Infinity" not in line
+    row = json.loads(line)
+    assert row == {"step": 1, "f32": 0.5, "i64": 3, "t": 0.25, "ti": 7, "grad": 2.0, "nan32": None, "inf_t": None,
+                   "nan": None, "s": "text", "none": None, "b": True}
+    assert type(row["i64"]) is int and type(row["ti"]) is int
+
+
+def test_prometheus_exports_numpy_scalars_and_0d_tensors():
+    pytest.importorskip("prometheus_client")
+    import numpy as np
+    import torch
+
+    from rlkit.observe.prometheus import PrometheusSink
+
+    sink = PrometheusSink(start_server=False)
+    sink.on_step(2, {"a": np.float32(0.5), "b": np.int64(3), "c": torch.tensor(0.25), "d": 1.5, "note": "x", "none": None})
+    got = sink.registry.get_sample_value
+    assert (got("rlkit_a"), got("rlkit_b"), got("rlkit_c"), got("rlkit_d"), got("rlkit_step")) == (0.5, 3.0, 0.25, 1.5, 2.0)
+    assert got("rlkit_note") is None and got("rlkit_none") is None
+
+
+def test_prometheus_name_collisions_keep_the_first_and_warn_once():
+    """``reward/mean`` and ``reward_mean`` both sanitise to ``rlkit_reward_mean``, and a metric
+    ``step`` to the step count's name: neither may overwrite the other's gauge in silence."""
+    pytest.importorskip("prometheus_client")
+    import warnings
+
+    from rlkit.observe.prometheus import PrometheusSink
+
+    sink = PrometheusSink(start_server=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sink.on_step(1, {"reward/mean": 0.5, "reward_mean": 0.9, "step": 99})
+        sink.on_step(2, {"reward/mean": 0.6, "reward_mean": 0.8, "step": 98})
+    got = sink.registry.get_sample_value
+    assert got("rlkit_step") == 2.0 and got("rlkit_reward_mean") == 0.6
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2, messages  # once per colliding key, not once per step
+    assert "'reward_mean'" in messages[0] and "'reward/mean'" in messages[0] and "rlkit_reward_mean" in messages[0]
+    assert "'step'" in messages[1] and "step count" in messages[1]
+
+
+class _Widget:
+    """Stands in for an ipywidgets widget: holds ``value``, and works as an ``Output`` context."""
+
+    def __init__(self):
+        self.value = None
+
+    def clear_output(self, wait=False):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _drawn_dashboard(**kwargs):
+    """A Dashboard whose every step draws, into stand-in widgets: without ipywidgets a Dashboard
+    only keeps its history, and with it, it would display real ones."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from rlkit.observe.notebook import Dashboard
+
+    board = Dashboard(**kwargs)
+    board._bar, board._text, board._plot = _Widget(), _Widget(), _Widget()
+    board._widgets = object()
+    return board
+
+
+def test_console_and_dashboard_show_a_none_value_as_a_dash():
+    import numpy as np
+
+    out = io.StringIO()
+    sink = ConsoleSink(3, console=Console(file=out, width=140, force_terminal=False))
+    sink.on_step(1, {"reward/mean": None, "eval/accuracy": np.float32(0.5), "actor/entropy": "n/a"})
+    sink.close()
+    tokens = out.getvalue().split()
+    assert "reward=-" in tokens and "acc=0.5" in tokens and "ent=n/a" in tokens, out.getvalue()
+
+    board = _drawn_dashboard(total=3, keys=("reward/mean", "eval/accuracy"))
+    board.on_step(1, {"reward/mean": 0.5, "eval/accuracy": None})
+    board.on_step(2, {"reward/mean": None, "eval/accuracy": 0.25})
+    assert board._text.value == "<code>reward/mean: - | eval/accuracy: 0.25</code>"
+    assert board._bar.value == 2
+    import matplotlib.pyplot as plt
+
+    fig = board.plot()  # the None points are left out of the panels
+    assert [list(ax.lines[0].get_xdata()) for ax in fig.axes] == [[1], [2]]
+    plt.close(fig)
+
+
+def test_a_single_string_of_keys_is_one_key():
+    out = io.StringIO()
+    sink = ConsoleSink(3, keys="reward/mean", console=Console(file=out, width=140, force_terminal=False))
+    sink.on_step(1, {"reward/mean": 0.5, "r": 1.0, "mean": 2.0})
+    sink.close()
+    assert sink.keys == ("reward/mean",)
+    tokens = out.getvalue().split()
+    assert "reward=0.5" in tokens and "r=1" not in tokens and "mean=2" not in tokens, out.getvalue()
+
+    board = _drawn_dashboard(total=3, keys="reward/mean")
+    assert board.keys == ("reward/mean",)
+    board.on_step(1, {"reward/mean": 0.5, "r": 1.0})
+    assert board._text.value == "<code>reward/mean: 0.5</code>"
+    import matplotlib.pyplot as plt
+
+    fig = board.plot(keys="reward/mean")
+    assert [ax.get_title() for ax in fig.axes] == ["reward/mean"]
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])
+def test_dashboard_every_must_be_a_positive_int(bad):
+    from rlkit.observe.notebook import Dashboard
+
+    with pytest.raises(ValueError, match="every"):
+        Dashboard(total=5, every=bad)
+
+
+def test_sinks_check_their_int_arguments():
+    from rlkit.observe.notebook import Dashboard
+
+    with pytest.raises(ValueError, match="total"):
+        Dashboard(total=-1)
+    with pytest.raises(ValueError, match="total"):
+        Dashboard(total="10")
+    with pytest.raises(ValueError, match="total"):
+        ConsoleSink(-1, console=Console(file=io.StringIO()))
+    with pytest.raises(ValueError, match="total"):
+        ConsoleSink(2.5, console=Console(file=io.StringIO()))
+    ConsoleSink(None, console=Console(file=io.StringIO())).close()  # an open count stays allowed
+    if importlib.util.find_spec("prometheus_client") is not None:
+        from rlkit.observe.prometheus import PrometheusSink
+
+        for bad in (-1, 70000, "9400", 9400.0):
+            with pytest.raises(ValueError, match="port"):
+                PrometheusSink(port=bad)

@@ -8,12 +8,22 @@ draws a static figure.
 """
 from __future__ import annotations
 
+import html
 from typing import Sequence
+
+from rlkit._checks import int_at_least
+from rlkit.observe.sinks import as_keys, as_number, format_value
 
 
 class Dashboard:
-    def __init__(self, total: int, keys: Sequence[str] = ("reward/mean", "eval/accuracy", "actor/entropy", "actor/logprob_gap"), every: int = 1):
-        self.total, self.keys, self.every = total, tuple(keys), every
+    """Redraws every ``every`` steps (and at the last, ``total``); ``keys`` may be one name
+    (``keys="sft/loss"``). A value that is not a number shows as text (None as ``-``) and is left
+    out of the plots, so that an odd metric cannot end a run at its dashboard."""
+
+    def __init__(self, total: int, keys: str | Sequence[str] = ("reward/mean", "eval/accuracy", "actor/entropy", "actor/logprob_gap"), every: int = 1):
+        int_at_least(total, "Dashboard: total", 0, " (the step count to reach)")
+        int_at_least(every, "Dashboard: every", 1, " (steps between redraws)")
+        self.total, self.keys, self.every = total, as_keys(keys), every
         self.history: list[dict] = []
         self.samples: list[str] = []
         self._widgets = None
@@ -34,8 +44,8 @@ class Dashboard:
         if self._widgets is None or (step % self.every and step < self.total):  # the last step always shows
             return
         self._bar.value = min(step, self.total)
-        latest = " | ".join(f"{k}: {metrics[k]:.3g}" for k in self.keys if k in metrics)
-        self._text.value = f"<code>{latest}</code>"
+        latest = " | ".join(f"{k}: {format_value(metrics[k])}" for k in self.keys if k in metrics)
+        self._text.value = f"<code>{html.escape(latest)}</code>"
         self._plot.clear_output(wait=True)
         with self._plot:
             import matplotlib.pyplot as plt
@@ -48,11 +58,15 @@ class Dashboard:
         """A figure with one panel per metric over steps."""
         import matplotlib.pyplot as plt
 
-        keys = [k for k in (keys or self.keys) if any(k in h for h in self.history)]
-        fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(4 * max(1, len(keys)), 3), squeeze=False)
-        for ax, key in zip(axes[0], keys):
-            xs = [h["step"] for h in self.history if key in h]
-            ys = [h[key] for h in self.history if key in h]
+        points = {}
+        for key in as_keys(keys or self.keys):
+            xy = [(h["step"], as_number(h[key])) for h in self.history if key in h]
+            xy = [(x, y) for x, y in xy if y is not None]
+            if xy:
+                points[key] = xy
+        fig, axes = plt.subplots(1, max(1, len(points)), figsize=(4 * max(1, len(points)), 3), squeeze=False)
+        for ax, (key, xy) in zip(axes[0], points.items()):
+            xs, ys = [x for x, _ in xy], [y for _, y in xy]
             ax.plot(xs, ys, marker="o" if len(xs) < 30 else None)
             ax.set_title(key)
             ax.set_xlabel("step")

@@ -8,15 +8,28 @@ the port (``rk.fit`` leaves its sinks open, so that one sink can watch several c
 notebook cell that builds the sink again does not fail with "address already in use".
 
 Metric names are ``{prefix}_{key}`` with every character outside ``[a-zA-Z0-9_]`` replaced by
-``_`` (``reward/mean`` -> ``rlkit_reward_mean``); non-numeric values are skipped.
+``_`` (``reward/mean`` -> ``rlkit_reward_mean``); numbers of any kind (numpy scalars, 0-d tensors)
+are exported as floats, non-numeric values are skipped. ``{prefix}_step`` is the step count. Two
+keys that give one name (``reward/mean``, ``reward_mean``), or a metric named ``step``, would
+overwrite each other's gauge: the first keeps the name, and the later one is skipped with a warning
+that names both (rename one to export it).
 """
 from __future__ import annotations
 
 import re
+import warnings
+
+from rlkit._checks import int_at_least
+from rlkit.observe.sinks import as_number
+
+_STEP = object()  # the owner of the {prefix}_step name: the step count, which no metric may overwrite
 
 
 class PrometheusSink:
     def __init__(self, port: int = 9400, addr: str = "127.0.0.1", prefix: str = "rlkit", registry=None, start_server: bool = True):
+        int_at_least(port, "PrometheusSink: port", 0, " (0: a free one)")
+        if port > 65535:
+            raise ValueError(f"PrometheusSink: port must be at most 65535 (0: a free one), got {port!r}")
         try:
             import prometheus_client as pc
         except ImportError as exc:
@@ -25,6 +38,8 @@ class PrometheusSink:
         self.registry = registry or pc.CollectorRegistry()
         self.prefix = prefix
         self._gauges: dict[str, object] = {}
+        self._owners: dict[str, object] = {self._name("step"): _STEP}  # exported name -> the key that has it
+        self._skipped: set[str] = set()  # keys already warned about
         self._server = self._thread = None
         self.port: int | None = None
         if start_server:
@@ -37,17 +52,36 @@ class PrometheusSink:
                 ) from exc
             self.port = self._server.server_address[1]
 
-    def _gauge(self, key: str):
-        name = f"{self.prefix}_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+    def _name(self, key: str) -> str:
+        # the prefix too: prometheus-client would otherwise rewrite it only on output, after the
+        # collision check below
+        return re.sub(r"[^a-zA-Z0-9_]", "_", f"{self.prefix}_{key}")
+
+    def _gauge(self, name: str, help_key: str):
         if name not in self._gauges:
-            self._gauges[name] = self._pc.Gauge(name, f"rlkit metric {key}", registry=self.registry)
+            self._gauges[name] = self._pc.Gauge(name, f"rlkit metric {help_key}", registry=self.registry)
         return self._gauges[name]
 
+    def _metric_gauge(self, key: str):
+        """The gauge of metric ``key``, or None (warned about once) when another key has its name."""
+        name = self._name(key)
+        owner = self._owners.setdefault(name, key)
+        if owner == key:
+            return self._gauge(name, key)
+        if key not in self._skipped:
+            self._skipped.add(key)
+            other = "the step count" if owner is _STEP else f"metric {owner!r}"
+            warnings.warn(f"PrometheusSink: metric {key!r} maps to {name}, which {other} already has; {key!r} is "
+                          "not exported (rename one of them)", RuntimeWarning, stacklevel=3)
+        return None
+
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
-        self._gauge("step").set(step)
+        self._gauge(self._name("step"), "step").set(step)
         for k, v in metrics.items():
-            if isinstance(v, (int, float)):
-                self._gauge(k).set(float(v))
+            n = as_number(v)
+            gauge = None if n is None else self._metric_gauge(k)
+            if gauge is not None:
+                gauge.set(float(n))
 
     def close(self) -> None:
         """Stop the HTTP server (if this sink started one) and free its port; the gauges stay readable
