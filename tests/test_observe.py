@@ -244,3 +244,15 @@ def test_sinks_check_their_int_arguments():
         for bad in (-1, 70000, "9400", 9400.0):
             with pytest.raises(ValueError, match="port"):
                 PrometheusSink(port=bad)
+
+
+def test_jsonl_sink_names_a_folder_path_and_a_closed_sink(tmp_path):
+    from rlkit.observe.sinks import JSONLSink
+
+    with pytest.raises(ValueError, match="is a folder; give a file path"):
+        JSONLSink(tmp_path)  # was IsADirectoryError
+    sink = JSONLSink(tmp_path / "m.jsonl")
+    sink.on_step(1, {"a": 1.0})
+    sink.close()
+    with pytest.raises(ValueError, match="was closed; make a new one"):
+        sink.on_step(2, {"a": 2.0})  # was "I/O operation on closed file"

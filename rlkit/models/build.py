@@ -63,8 +63,16 @@ def _config(arch: str, fields: dict[str, Any]) -> PretrainedConfig:
         raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHS)}")
     fields = dict(fields)
     rope_theta = fields.pop("rope_theta", None)
-    if rope_theta is not None and "rope_parameters" not in fields:
-        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": float(rope_theta)}
+    if rope_theta is not None:
+        # transformers 5 keeps theta inside rope_parameters; one built from rope_scaling (or
+        # given whole without a theta) would silently fall back to 10000
+        scaling = fields.pop("rope_scaling", None)
+        params = dict(fields.get("rope_parameters") or scaling or {"rope_type": "default"})
+        if "type" in params and "rope_type" not in params:  # the older key of rope_scaling
+            params["rope_type"] = params.pop("type")
+        if "rope_theta" in params and float(params["rope_theta"]) != float(rope_theta):
+            raise ValueError(f"rope_theta={rope_theta} disagrees with rope_parameters' rope_theta={params['rope_theta']}; give one")
+        fields["rope_parameters"] = {**params, "rope_theta": float(rope_theta)}
     return getattr(transformers, ARCHS[arch])(**fields)
 
 

@@ -68,11 +68,18 @@ class JSONLSink:
     non-finite ones (NaN, inf) as ``null``."""
 
     def __init__(self, path: str | os.PathLike, mode: str = "a"):
+        if mode not in ("a", "w"):
+            raise ValueError(f"JSONLSink mode must be 'a' (append) or 'w' (overwrite), got {mode!r}")
+        if os.path.isdir(path):
+            raise ValueError(f"JSONLSink path {os.fspath(path)!r} is a folder; give a file path such as "
+                             f"{os.path.join(os.fspath(path), 'metrics.jsonl')!r}")
         os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
         self.path = os.fspath(path)
         self._f = open(self.path, mode, encoding="utf-8")
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
+        if self._f.closed:
+            raise ValueError(f"JSONLSink({self.path!r}) was closed; make a new one (mode='a' appends) to log more steps")
         row = {"step": step}
         for k, v in metrics.items():
             n = as_number(v)

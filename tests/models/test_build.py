@@ -57,6 +57,17 @@ def test_presets_and_int_vocab():
     assert not hasattr(model, "rlkit_tokenizer")
 
 
+def test_rope_theta_is_kept_with_a_rope_scaling():
+    """transformers 5 builds rope_parameters from rope_scaling with the default theta: rope_theta
+    given beside it was dropped silently (10000 instead of 1e6)."""
+    for scaling in ({"rope_type": "linear", "factor": 2.0}, {"type": "linear", "factor": 2.0}):
+        c = tiny_config(100, arch="llama", rope_theta=1e6, rope_scaling=scaling)
+        assert c.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}
+    assert tiny_config(100, arch="llama").rope_parameters["rope_theta"] == 10000.0
+    with pytest.raises(ValueError, match="rope_theta=1000000.0 disagrees"):
+        tiny_config(100, rope_theta=1e6, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+
+
 @pytest.mark.parametrize("arch, cls", [("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
 def test_other_archs(arch, cls):
     model = tiny(40, arch=arch, hidden_size=64, intermediate_size=128)
