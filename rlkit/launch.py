@@ -39,6 +39,8 @@ import traceback
 import uuid
 from typing import Any, Callable
 
+from rlkit._checks import int_at_least
+
 RUN_DIR_ENV = "RLKIT_RUN_DIR"
 
 #: on_metrics(rank, metrics)
@@ -48,13 +50,14 @@ MetricsCallback = Callable[[int, dict], None]
 class WorkerError(RuntimeError):
     """A worker process failed. ``rank``: the first failing global rank; ``worker_traceback``: its traceback text."""
 
-    def __init__(self, rank: int, worker_traceback: str, failures: dict[int, str] | None = None):
+    def __init__(self, rank: int, worker_traceback: str, failures: dict[int, str] | None = None, summary: str | None = None):
         self.rank = rank
         self.worker_traceback = worker_traceback
         self.failures = failures or {rank: worker_traceback}
         others = sorted(r for r in self.failures if r != rank)
         also = f" (ranks {others} failed too)" if others else ""
-        super().__init__(f"worker rank {rank} failed{also}; its traceback:\n{worker_traceback}")
+        # ``summary`` replaces the first line when "failed" alone would not say what went wrong
+        super().__init__(f"{summary or f'worker rank {rank} failed{also}'}; its traceback:\n{worker_traceback}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,13 +213,40 @@ def _free_endpoint() -> str:
 
 
 def _parse_nnodes(nnodes: int | str) -> tuple[int, int]:
+    bad = ValueError(f"launch: nnodes must be a positive int or 'MIN:MAX' such as '1:4' (1 <= MIN <= MAX), got {nnodes!r}")
+    if isinstance(nnodes, bool) or not isinstance(nnodes, (int, str)):
+        raise bad
     if isinstance(nnodes, int):
-        return nnodes, nnodes
-    lo, _, hi = str(nnodes).partition(":")
-    try:
-        return int(lo), int(hi or lo)
-    except ValueError:
-        raise ValueError(f"launch: nnodes={nnodes!r}; give an int or 'MIN:MAX' such as '1:4'") from None
+        lo = hi = nnodes
+    else:
+        lo_text, _, hi_text = nnodes.partition(":")
+        try:
+            lo, hi = int(lo_text), int(hi_text or lo_text)
+        except ValueError:
+            raise bad from None
+    if not 1 <= lo <= hi:
+        raise bad
+    return lo, hi
+
+
+def _check_launch_args(nproc_per_node, nnodes, rdzv_endpoint, rdzv_backend, max_restarts, on_metrics, run_dir, run_id) -> None:
+    """Fail in the caller, naming the argument: a wrong type otherwise surfaces as a TypeError
+    deep inside torch elastic, or (run_dir) as an OSError about a subdirectory."""
+    int_at_least(nproc_per_node, "launch: nproc_per_node", 1, " (workers on this machine)")
+    int_at_least(max_restarts, "launch: max_restarts", 0)
+    for name, value in (("rdzv_endpoint", rdzv_endpoint), ("run_id", run_id)):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"launch: {name} must be a str or None, got {value!r}")
+    if not isinstance(rdzv_backend, str) or not rdzv_backend:
+        raise ValueError(f"launch: rdzv_backend must be a backend name such as 'c10d', got {rdzv_backend!r}")
+    if on_metrics is not None and not callable(on_metrics):
+        raise ValueError(f"launch: on_metrics must be a callable on_metrics(rank, metrics) or None, got {on_metrics!r}")
+    if run_dir is not None:
+        if not isinstance(run_dir, (str, os.PathLike)):
+            raise ValueError(f"launch: run_dir must be a path (str or os.PathLike) or None, got {run_dir!r}")
+        if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+            raise ValueError(f"launch: run_dir={os.fspath(run_dir)!r} is an existing file, not a directory; "
+                             "give a directory (it is created if missing) or None for a new temp directory")
 
 
 def _read_errors(run_dir: str) -> dict[int, tuple[float, str]]:
@@ -259,7 +289,9 @@ def launch(
     :func:`rlkit.parallel.init_distributed` inside ``fn``. Keywords not listed above go to ``fn``
     (to pass one of these names to ``fn``, wrap it in ``functools.partial``). On a machine that
     does not hold global rank 0 the return value is ``None``. A worker's exception is raised here
-    as :class:`WorkerError` with the worker's traceback text.
+    as :class:`WorkerError` with the worker's traceback text; so is a worker that ends with
+    ``sys.exit(0)`` instead of returning (it leaves no result). Arguments of the wrong type or
+    range raise ``ValueError`` naming them before any process starts.
     """
     import cloudpickle
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -268,8 +300,7 @@ def launch(
 
     if not callable(fn):
         raise TypeError(f"launch: fn must be a callable, got {type(fn).__name__}")
-    if nproc_per_node < 1:
-        raise ValueError(f"launch: nproc_per_node={nproc_per_node}; it must be >= 1")
+    _check_launch_args(nproc_per_node, nnodes, rdzv_endpoint, rdzv_backend, max_restarts, on_metrics, run_dir, run_id)
     min_nodes, max_nodes = _parse_nnodes(nnodes)
     if max_nodes > 1 and not rdzv_endpoint:
         raise ValueError(
@@ -277,8 +308,11 @@ def launch(
             "the same on all of them)"
         )
     run_dir = os.path.abspath(run_dir or tempfile.mkdtemp(prefix="rlkit_run_"))
-    for sub in ("metrics", "errors", "logs"):
-        os.makedirs(os.path.join(run_dir, sub), exist_ok=True)
+    try:
+        for sub in ("metrics", "errors", "logs"):
+            os.makedirs(os.path.join(run_dir, sub), exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:  # a file where a directory of the path should be
+        raise ValueError(f"launch: run_dir={run_dir!r} cannot be used as a directory: {e}") from e
     for stale in glob.glob(os.path.join(run_dir, "errors", "*")) + glob.glob(os.path.join(run_dir, "metrics", "*")):
         os.remove(stale)  # a reused run_dir must not replay an old run's metrics or errors
     payload = cloudpickle.dumps((fn, args, kwargs))
@@ -303,10 +337,27 @@ def launch(
         tail.stop()
     if tail.callback_error is not None:
         raise RuntimeError(f"launch: on_metrics raised {tail.callback_error!r}; the run itself finished") from tail.callback_error
-    by_rank = dict(results.values())
-    if 0 not in by_rank:
+    # keys are global ranks; a worker whose fn called sys.exit(0) (SystemExit with status 0 or
+    # None) counts as a success for torch elastic, with None as its value instead of our tuple
+    missing = sorted(rank for rank, value in results.items() if value is None)
+    if missing:
+        raise _no_result_error(run_dir, missing)
+    if 0 not in results:
         return None
-    return cloudpickle.loads(by_rank[0])
+    return cloudpickle.loads(results[0][1])
+
+
+def _no_result_error(run_dir: str, ranks: list[int]) -> WorkerError:
+    """Workers that exited cleanly without returning from ``fn``: not a success, since launch
+    returns rank 0's result and a rank that stops early has not done its share of the run."""
+    written = {rank: text for rank, (_, text) in _read_errors(run_dir).items()}  # the SystemExit's traceback
+    failures = {rank: written.get(rank, "(none recorded: the process exited with status 0)") for rank in ranks}
+    summary = (
+        f"worker rank(s) {ranks} exited with status 0 without returning from fn (sys.exit(0) inside it?), so launch "
+        "has no result from them: it returns rank 0's result, and a rank that stops early has not finished its share "
+        "of the run (its peers' collectives would wait for it); return from fn instead"
+    )
+    return WorkerError(ranks[0], failures[ranks[0]], failures, summary=summary)
 
 
 def _worker_error(run_dir: str, error) -> WorkerError:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from rlkit.data import Prompts
+from rlkit.recipes.base import Recipe
 from rlkit.state import TrainState
 
 
@@ -81,6 +82,29 @@ class Pipeline:
     reward: Callable
     roles: tuple[str, ...] = ("actor", "rollout")
 
+    def __post_init__(self) -> None:
+        # checked here, not on the first step: a wrong step or reward otherwise surfaces after a
+        # whole rollout, deep inside the loop or score, as "'str' object is not callable"
+        if isinstance(self.step, str):
+            from rlkit.recipes import get
+
+            object.__setattr__(self, "step", get(self.step))  # a recipe name: that recipe's defaults
+        elif not (callable(getattr(self.step, "step", None)) or callable(self.step)):
+            raise TypeError(
+                "Pipeline: step must be a recipe (rk.recipes.get('grpo')), a recipe name such as 'grpo', or a "
+                f"function step(state, prompts, reward) -> (state, metrics); got {type(self.step).__name__}"
+            )
+        reward = self.reward
+        if isinstance(reward, Recipe):
+            raise TypeError(f"Pipeline: reward is a recipe ({type(reward).__name__}); the order is Pipeline(step, reward)")
+        from rlkit.transforms.score import RewardError, _reward_functions
+
+        try:
+            _reward_functions(reward)  # what rk.score takes, built-in names included
+        except RewardError as e:
+            raise TypeError(f"Pipeline: reward must be a reward function, a list of them or a dict name -> function "
+                            f"(what rk.score takes, e.g. task.reward): {e}") from None
+
     def _fn(self) -> StepFn:
         return self.step.step if hasattr(self.step, "step") else self.step
 
@@ -104,6 +128,9 @@ class Pipeline:
         off, every role colocated on all ranks when it is on); a DeviceMesh = every role
         colocated on it; or an :class:`rlkit.parallel.Placement` (role -> mesh).
 
+        ``tp``: tensor-parallel degree of generation on colocated roles; it must divide the
+        rollout role's ranks, so ``tp > 1`` is an error on one process, not silently ignored.
+
         ``release_rollout_memory``: colocated roles take turns on memory — the engine frees its
         KV cache (and CUDA graphs) after every rollout so training gets that memory back, at the
         cost of rebuilding them on the next rollout.
@@ -121,13 +148,37 @@ class Pipeline:
         full float32 gradient of the model on every rank (4 bytes a parameter; FSDP2 keeps it
         in the reduce dtype). The optimizer step and its result are the same either way, up to
         the order of float additions."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from rlkit._checks import int_at_least
         from rlkit.parallel import Placement, colocated_placement, local_placement
 
+        # placement and tp are checked here: a wrong placement otherwise fails in shard() with an
+        # AttributeError, or not at all (fit without shard trains locally), and a tp that cannot
+        # apply would be dropped silently
         distributed = dist.is_available() and dist.is_initialized()
         if placement is None:
             placement = colocated_placement() if distributed and dist.get_world_size() > 1 else local_placement()
-        elif not isinstance(placement, Placement):
+        elif isinstance(placement, DeviceMesh):
             placement = colocated_placement(placement)
+        elif not isinstance(placement, Placement):
+            raise TypeError(
+                "Pipeline.lower: placement must be None (all ranks, or this process), a DeviceMesh (every role "
+                "colocated on it, e.g. rk.mesh()) or an rlkit.parallel.Placement (e.g. "
+                f"rk.parallel.split_placement({{'actor': 2, 'rollout': 2}})); got {placement!r}"
+            )
+        int_at_least(tp, "Pipeline.lower: tp", 1, " (tensor-parallel degree of generation)")
+        if tp > 1 and "rollout" in placement.meshes:
+            if "actor" in placement.meshes and not placement.colocated("actor", "rollout"):
+                raise NotImplementedError("Pipeline.lower: tensor-parallel generation is lowered for colocated roles "
+                                          f"only, not for a split placement; use tp=1 there (got tp={tp})")
+            n = len(placement.ranks("rollout"))
+            if n % tp:
+                where = "one process (no torch.distributed world)" if placement.mesh("rollout") is None else f"{n} rank(s)"
+                raise ValueError(f"Pipeline.lower: tp={tp} cannot apply: the rollout role runs on {where}, and tensor "
+                                 f"parallelism needs a multiple of {tp} ranks; use tp=1 or launch a multiple of {tp} processes")
+        if rollout_dtype is not None and not isinstance(rollout_dtype, torch.dtype):
+            raise TypeError(f"Pipeline.lower: rollout_dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {rollout_dtype!r}")
         if grad_reduce not in GRAD_REDUCE:
             raise ValueError(f"grad_reduce must be one of {', '.join(map(repr, GRAD_REDUCE))}, got {grad_reduce!r}")
         return Plan(self, placement, tp=tp, mixed_precision=mixed_precision, cpu_offload=cpu_offload,

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -168,9 +167,47 @@ def test_the_module_is_callable_like_the_function():
         module(print, nproc_per_node=0)
 
 
-def test_launch_argument_errors():
+def test_launch_argument_errors(tmp_path):
     with pytest.raises(ValueError, match="rdzv_endpoint"):
         launch(print, nnodes=2)
     with pytest.raises(ValueError, match="nproc_per_node"):
         launch(print, nproc_per_node=0)
     assert issubclass(WorkerError, RuntimeError)
+    # wrong types fail here, naming the argument, not as a TypeError inside torch elastic
+    for kwargs, name in [
+        (dict(nproc_per_node="1"), "nproc_per_node"), (dict(nproc_per_node=True), "nproc_per_node"),
+        (dict(nproc_per_node=1.0), "nproc_per_node"), (dict(nnodes=0), "nnodes"), (dict(nnodes="2:1"), "nnodes"),
+        (dict(nnodes="two"), "nnodes"), (dict(nnodes=1.5), "nnodes"), (dict(max_restarts=-1), "max_restarts"),
+        (dict(rdzv_endpoint=29400), "rdzv_endpoint"), (dict(rdzv_backend=None), "rdzv_backend"),
+        (dict(run_id=7), "run_id"), (dict(on_metrics="print"), "on_metrics"), (dict(run_dir=3), "run_dir"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            launch(print, **kwargs)
+    # run_dir naming a file (or under one): a ValueError, and the file is left alone
+    existing = tmp_path / "notes.txt"
+    existing.write_text("keep me")
+    for run_dir in (existing, str(existing), str(existing / "run")):
+        with pytest.raises(ValueError, match="run_dir"):
+            launch(print, nproc_per_node=1, run_dir=run_dir)
+    assert existing.read_text() == "keep me"
+
+
+def test_a_worker_that_exits_with_status_0_is_a_worker_error(tmp_path, monkeypatch):
+    """sys.exit(0) inside fn ends the process "successfully" for torch elastic, with no result:
+    launch must say which rank did it, not fail on the missing result."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+    def quits_early():  # a local function: it reaches the workers by value
+        import os
+        import sys
+
+        if os.environ["RANK"] == "1":
+            sys.exit(0)
+        return "rank 0 is fine"
+
+    with pytest.raises(WorkerError) as info:
+        launch(quits_early, nproc_per_node=2, run_dir=str(tmp_path), echo_logs=False)
+    error = info.value
+    assert error.rank == 1 and sorted(error.failures) == [1]
+    assert "SystemExit" in error.worker_traceback and "quits_early" in error.worker_traceback
+    assert "rank(s) [1]" in str(error) and "without returning" in str(error)

@@ -181,6 +181,71 @@ def test_local_lowering_is_the_identity():
         assert torch.equal(a, b), k
 
 
+def _ranks(*ranks):
+    """A stand-in DeviceMesh over ``ranks`` (what Placement reads of one): placement checks
+    without a process group."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(mesh=torch.tensor(ranks))
+
+
+def test_lower_rejects_what_is_not_a_placement():
+    from rlkit.parallel import Placement, local_placement
+
+    pipe = rk.Pipeline(rk.recipes.get("grpo"), reward=lambda completions, **_: [0.0] * len(completions))
+    for wrong in ({"actor": 1, "rollout": 1}, 2, "actor"):
+        with pytest.raises(TypeError, match="placement must be None .*DeviceMesh.*split_placement"):
+            pipe.lower(wrong)
+    assert pipe.lower(local_placement()).is_local and pipe.lower(None).is_local
+    both = Placement({"actor": _ranks(0, 1), "rollout": _ranks(0, 1)})
+    assert pipe.lower(both).placement is both
+
+
+def test_lower_checks_tp():
+    from rlkit.parallel import Placement
+
+    pipe = rk.Pipeline(rk.recipes.get("grpo"), reward=lambda completions, **_: [0.0] * len(completions))
+    for wrong in (0, -1, "2", 2.0, True):
+        with pytest.raises(ValueError, match="tp must be a positive int"):
+            pipe.lower(tp=wrong)
+    # one process: there is nothing to split the rollout over, so tp=2 cannot be honoured
+    with pytest.raises(ValueError, match="tp=2 cannot apply.*one process"):
+        pipe.lower(tp=2)
+    with pytest.raises(ValueError, match="tp=2 cannot apply.*3 rank"):
+        pipe.lower(Placement({"actor": _ranks(0, 1, 2), "rollout": _ranks(0, 1, 2)}), tp=2)
+    with pytest.raises(NotImplementedError, match="split placement"):
+        pipe.lower(Placement({"actor": _ranks(0, 1), "rollout": _ranks(2, 3)}), tp=2)
+    assert pipe.lower(Placement({"actor": _ranks(0, 1), "rollout": _ranks(0, 1)}), tp=2).tp == 2
+    assert pipe.lower(tp=1).tp == 1
+    with pytest.raises(TypeError, match="rollout_dtype"):
+        pipe.lower(rollout_dtype="bfloat16")
+
+
+def test_pipeline_checks_its_step_and_reward():
+    def reward(completions, **_):
+        return [0.0] * len(completions)
+
+    recipe = rk.recipes.get("grpo")
+    # a recipe name is that recipe, with its defaults
+    by_name = rk.Pipeline("grpo", reward=reward)
+    assert type(by_name.step) is type(recipe) and by_name.step == recipe
+    assert rk.Pipeline("dapo", reward).step == rk.recipes.get("dapo")
+    with pytest.raises(ValueError, match="unknown algorithm 'grpoo'"):
+        rk.Pipeline("grpoo", reward=reward)
+    with pytest.raises(TypeError, match="step must be a recipe"):
+        rk.Pipeline(3, reward=reward)
+    for wrong in (None, "accuracy", 1.0):
+        with pytest.raises(TypeError, match="reward must be a reward function"):
+            rk.Pipeline(recipe, reward=wrong)
+    assert rk.Pipeline(recipe, reward="exact_match").reward == "exact_match"  # a built-in's name, as rk.score takes it
+    with pytest.raises(TypeError, match=r"order is Pipeline\(step, reward\)"):
+        rk.Pipeline(reward, recipe)
+    # what rk.score takes still goes: a function, a list of them, a dict of them; and a step function
+    for ok in (reward, [reward, reward], {"r": reward}):
+        assert rk.Pipeline(recipe, reward=ok).reward is ok
+    assert rk.Pipeline(recipe.step, reward)._fn() == recipe.step
+
+
 def _split_worker():
     from rlkit.parallel import full_state_dict, init_distributed, shutdown, split_placement
 
