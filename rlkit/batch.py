@@ -30,6 +30,7 @@ The padded layout is the API; :func:`packed` gives the variable-length view for 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -107,6 +108,43 @@ def _pad_left(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, to
     return _pad(rows, pad, left=True)
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, (int, numbers.Integral)) and not isinstance(x, bool)
+
+
+def _check_token_rows(rows: Any, name: str) -> None:
+    """Each row a sequence of token ids (ints >= 0): a flat list, text or float ids used to fail
+    in padding with a bare TypeError, or be truncated to other tokens without a word."""
+    if isinstance(rows, torch.Tensor):
+        if rows.dtype.is_floating_point or rows.dtype == torch.bool or rows.dim() != 2:
+            raise BatchError(f"{name} must be rows of integer token ids (a list of lists, or a 2-d integer tensor); got a {rows.dim()}-d {rows.dtype} tensor")
+        return
+    for i, row in enumerate(rows):
+        if isinstance(row, (str, bytes)) or not isinstance(row, (Sequence, torch.Tensor)):
+            raise BatchError(f"{name} row {i} is {type(row).__name__} {row!r:.40}; give a list of token ids per row "
+                             "(tokenize text first; a flat list is one row per id: wrap it as [ids])")
+        if isinstance(row, torch.Tensor):
+            if row.dtype.is_floating_point or row.dim() > 1:
+                raise BatchError(f"{name} row {i} is a {row.dim()}-d {row.dtype} tensor; give 1-d integer token ids")
+            continue
+        bad = next((t for t in row if not _is_int(t) or t < 0), None)
+        if bad is not None:
+            raise BatchError(f"{name} row {i} holds {bad!r}; token ids are ints >= 0")
+
+
+def _check_numbers(values: Any, name: str, *, integral: bool, hint: str):
+    if isinstance(values, torch.Tensor):
+        if integral and (values.dtype.is_floating_point or values.dtype == torch.bool):
+            raise BatchError(f"{name} must hold ints ({hint}); got a {values.dtype} tensor")
+        return values
+    for i, v in enumerate(values):
+        ok = _is_int(v) if integral else (isinstance(v, numbers.Real) and not isinstance(v, bool)) or (
+            isinstance(v, torch.Tensor) and v.numel() == 1)
+        if not ok:
+            raise BatchError(f"{name} row {i} is {type(v).__name__} {v!r:.40}; {name} takes {hint}")
+    return values
+
+
 def make_batch(
     prompt_ids: Sequence[Sequence[int]],
     response_ids: Sequence[Sequence[int]],
@@ -131,6 +169,13 @@ def make_batch(
         )
     if len(prompt_ids) == 0:
         raise BatchError("prompt_ids is empty: a Batch needs at least one row")
+    _check_token_rows(prompt_ids, "prompt_ids")
+    _check_token_rows(response_ids, "response_ids")
+    if group is not None:
+        group = _check_numbers(group, "group", integral=True,
+                               hint="one int per row, equal for the samples of one prompt (map labels to ints first)")
+    if rewards is not None:
+        rewards = _check_numbers(rewards, "rewards", integral=False, hint="one number per row")
     p_ids, p_mask = _pad_left(prompt_ids, pad_token_id)
     r_ids, r_mask = _pad_right(response_ids, pad_token_id)
     b = len(prompt_ids)

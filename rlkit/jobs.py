@@ -111,6 +111,11 @@ def _recipe_before_warmup(opts: argparse.Namespace):
     _checked_device(opts.device)
     if opts.kl < 0:
         raise ValueError(f"option 'kl' must be >= 0 (0: no reference), got {opts.kl}")
+    from rlkit.optim import adamw
+
+    adamw(lr=opts.lr)  # its own check (a positive finite lr), before the warm-up rather than after it
+    if opts.out and os.path.exists(opts.out) and not os.path.isdir(opts.out):
+        raise ValueError(f"option 'out' is {opts.out!r}, an existing file; give a directory (it is created when missing)")
     recipe = recipes.get(opts.algo, n=opts.n, temperature=opts.temperature,  # the recipe checks these
                          kl=("low_var_kl", opts.kl) if opts.kl else None)
     if opts.n < 2 and not recipe.needs_critic() and getattr(recipe, "estimator", "grpo") in GROUP_ESTIMATORS:

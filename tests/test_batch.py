@@ -135,3 +135,18 @@ def test_make_batch_names_a_per_row_argument_of_the_wrong_length():
             make_batch([[1], [2]], [[2], [3]], **kw)
     ok = make_batch([[1], [2]], [[2], [3]], rewards=[1.0, 0.0], group=[0, 0], columns={"answer": ["1", "2"]})
     assert ok["rewards"].tolist() == [1.0, 0.0] and column(ok, "answer") == ["1", "2"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"group": [0.5, 0.7]}, "group row 0 is float 0.5"),  # was truncated to [0, 0]: two prompts merged
+    ({"group": ["a", "b"]}, "group row 0 is str 'a'"),
+    ({"rewards": [1.0, None]}, "rewards row 1 is NoneType"),
+    ({"prompt_ids": [5, 6]}, "prompt_ids row 0 is int 5; give a list of token ids per row"),
+    ({"prompt_ids": ["ab", "cd"]}, "prompt_ids row 0 is str 'ab'"),
+    ({"response_ids": [[7.0], [8]]}, "response_ids row 0 holds 7.0; token ids are ints >= 0"),  # was truncated
+    ({"response_ids": [[7], [-1]]}, "response_ids row 1 holds -1"),
+])
+def test_make_batch_names_rows_it_cannot_take(kwargs, match):
+    args = {"prompt_ids": [[5], [6]], "response_ids": [[7], [8]], **kwargs}
+    with pytest.raises(BatchError, match=match):
+        make_batch(args.pop("prompt_ids"), args.pop("response_ids"), **args)

@@ -42,6 +42,9 @@ def test_run_on_two_processes_writes_a_loadable_model(tmp_path, child_env):
     (["--kl", "-0.1"], "option 'kl' must be >= 0"),
     (["--nproc-per-node", "0"], "option 'nproc_per_node' must be >= 1"),
     (["--device", "gpu"], "device='gpu' is not a device"),
+    (["--temperature", "0"], "temperature must be > 0 for RL sampling"),
+    (["--lr", "0"], "optimizer lr must be a positive finite number"),
+    (["--out", __file__], "option 'out' is .*, an existing file"),
 ])
 def test_run_refuses_bad_options_before_the_warm_up_with_a_message(args, message, monkeypatch, capsys):
     """These options used to fail at the first RL step, after the warm-up (about 1.5 min by

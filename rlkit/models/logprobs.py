@@ -940,6 +940,11 @@ class LogprobModule(nn.Module):
                           itemsize=weight.element_size() if isinstance(weight, torch.Tensor) else None)
         if not chunks:  # no response token at all
             zeros = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+            if torch.is_grad_enabled() and hidden.requires_grad:
+                # still part of the model's graph (zero gradients): an update's micro-batch of rows
+                # without response tokens must run its backward like the others, or its loss has no
+                # grad_fn, and under FSDP the other ranks would wait in their gradient collectives
+                zeros = zeros + head(hidden).sum().float() * 0.0
             return zeros, (zeros.clone() if with_entropy else None)
         logprobs = _scatter(torch.cat([c[0] for c in chunks]), view)
         entropy = _scatter(torch.cat([c[1] for c in chunks]), view) if with_entropy else None

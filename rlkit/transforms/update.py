@@ -47,6 +47,11 @@ def _resolve_loss(loss: LossSpec, loss_kw: Mapping[str, Any] | None):
         loss, extra = loss
         kw = {**extra, **kw}
     fn = POLICY_LOSSES.get(loss)
+    reserved = sorted(set(kw) & {"agg", "num_tokens", "num_seqs", "horizon", "generator"})
+    if reserved:
+        # update passes these itself: in loss_kw they collided ("got multiple values for keyword")
+        raise TypeError(f"loss_kw sets {reserved}, which update passes to the loss itself; give agg= to update "
+                        "(or the recipe) instead, and leave the normalisers and the generator to update")
     params = inspect.signature(fn).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         unknown = set(kw) - set(params)
@@ -258,7 +263,13 @@ def update(
                 # both counts in one collective (whole numbers: float32 sums them exactly)
                 counts = torch.stack([mask_all.sum(), (mask_all.sum(-1) > 0).sum()]).to(torch.float32)
                 num_tokens, num_seqs = _global_sum(to_device(counts, device), state).unbind()
+                if counts[0] == 0 and (dp is None or dp.size == 1 or float(num_tokens) == 0):
+                    # no response token in the mini-batch (rows built with empty responses): nothing
+                    # to learn, and token means would divide by zero. Decided on the host copy (no
+                    # device sync) unless other ranks may hold tokens; then every rank reads the same sum
+                    continue
                 optimizer.zero_grad(set_to_none=True)
+                mini_loss = None  # this mini-batch's loss: a non-finite one skips its optimizer step only
                 if train_critic:
                     state.critic_optimizer.zero_grad(set_to_none=True)
                 for u0 in range(0, mini, micro):
@@ -303,6 +314,7 @@ def update(
                             diff = (logprobs.detach() - mb["logprobs"]).abs().masked_fill(~mask, 0.0)
                             gap_abs = diff.sum().double() + (0.0 if gap_abs is None else gap_abs)
                             gap_max = diff.max().double() if gap_max is None else torch.maximum(gap_max, diff.max().double())
+                        mini_loss = total.detach() if mini_loss is None else mini_loss + total.detach()
                         (total * grad_scale).backward()
                         if train_critic:
                             values = values_for_response(critic_module, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask,
@@ -315,7 +327,9 @@ def update(
                 with torch.profiler.record_function("rlkit.update.optimizer"):
                     grad_norm = _clip(actor, max_grad_norm)
                     record("actor/grad_norm", grad_norm)
-                    finite = bool(torch.isfinite(torch.as_tensor(grad_norm)) & torch.isfinite(torch.as_tensor(sums.get("actor/pg_loss", 0.0))))
+                    # this mini-batch's own loss, not the running metric sum: one bad mini-batch used to
+                    # make every later one of the update look non-finite and skip its step
+                    finite = bool(torch.isfinite(torch.as_tensor(grad_norm)) & torch.isfinite(torch.as_tensor(mini_loss if mini_loss is not None else 0.0)))
                     if finite:
                         optimizer.step()
                         state.scheduler.step()

@@ -175,3 +175,46 @@ def test_old_current_refuses_updates_of_several_optimizer_steps(tiny_model, char
     state = rk.init(copy.deepcopy(tiny_model), rk.optim.adamw(lr=1e-2), tokenizer=char_tok)
     with pytest.raises(ValueError, match="'batch' or 'current'"):
         rk.update(state, batch, old="rollout")
+
+
+def test_one_non_finite_mini_batch_skips_only_its_own_step(tiny_model, char_tok):
+    """The check read the running sum of the update's losses: after one NaN mini-batch every
+    later one looked non-finite too, so all were skipped (and three in a row raised)."""
+    from rlkit.algos.losses import ppo_clip
+
+    calls = []
+
+    def flaky(logprobs, old_logprobs, advantages, response_mask, **kw):
+        calls.append(1)
+        loss, metrics = ppo_clip(logprobs, old_logprobs, advantages, response_mask, **kw)
+        return (loss * float("nan") if len(calls) == 1 else loss), metrics
+
+    batch = _batch(tiny_model, b=4)
+    state = rk.init(tiny_model, rk.optim.adamw(lr=1e-2), tokenizer=char_tok)
+    before = _params(tiny_model)
+    with pytest.warns(RuntimeWarning, match="non-finite loss or gradient"):
+        state, metrics = rk.update(state, batch, loss=flaky, mini_batch_size=1)
+    assert len(calls) == 4 and metrics["actor/skipped_steps"] == 1.0
+    after = _params(state.actor)
+    assert all(torch.isfinite(v).all() for v in after.values())
+    assert any(not torch.equal(after[k], before[k]) for k in before)  # the other three steps ran
+
+
+@pytest.mark.parametrize("sizes", [{"micro_batch_size": 1}, {"mini_batch_size": 1}])
+def test_rows_without_response_tokens_train_like_the_rest(tiny_model, char_tok, sizes):
+    """A micro-batch holding only such rows had a loss without grad_fn (backward raised); a
+    mini-batch of them divided its token mean by zero (NaN, then skipped steps)."""
+    batch = make_batch([[5, 6]] * 4, [[5, 6, 7], [], [5], [6, 7]], group=[0, 0, 1, 1], rewards=[1, 0, 1, 0],
+                       logprobs=[[-1.0] * 3, [], [-1.0], [-1.0] * 2])
+    batch = rk.advantage(batch, "grpo")
+    kept = batch[torch.tensor([0, 2, 3])]
+    results = []
+    for b in (batch, kept):
+        model = copy.deepcopy(tiny_model)
+        state = rk.init(model, rk.optim.adamw(lr=1e-2, eps=1.0, weight_decay=0.0), tokenizer=char_tok)
+        state, metrics = rk.update(state, b, max_logprob_gap=None, **sizes)
+        assert metrics["actor/skipped_steps"] == 0.0
+        results.append(_params(state.actor))
+    # the empty row adds nothing: the same update as without it (its mini-batch takes no step)
+    for k in results[0]:
+        torch.testing.assert_close(results[0][k], results[1][k], atol=1e-7, rtol=1e-6)
