@@ -33,6 +33,19 @@ class _Donation:
 
 _INTERNAL = {"_donation", "_cache", "replace", "donate", "is_donated", "_check"}
 
+#: ``_cache`` entries built from a field's value, which ``replace`` drops when that field gets
+#: another object: the rollout engine reads (or holds a copy of) the actor's weights and is stamped
+#: with the policy_version, which a replaced actor leaves unchanged, so it would never re-sync
+#: and would keep sampling the old model; the hf and vLLM engines also keep the tokenizer.
+_DERIVED = {
+    "actor": ("engine", "engine_kind", "actor_module", "synced_version"),
+    "tokenizer": ("engine", "engine_kind"),
+    "ref": ("ref_module",),
+    "critic": ("critic_module",),
+}
+#: ``_cache`` entries that lowering (``Plan.shard``) sets: the models are wrapped for a mesh
+_LOWERED = ("dp", "split")
+
 
 @dataclass(frozen=True, eq=False)
 class TrainState:
@@ -90,12 +103,18 @@ class TrainState:
         return object.__getattribute__(self, "_donation").donated
 
     def replace(self, **changes) -> "TrainState":
-        """A new state with ``changes`` (Flax-style); caches follow, donation does not."""
+        """A new state with ``changes`` (Flax-style); caches follow, donation does not.
+
+        Caches built from a model (or the tokenizer) that ``changes`` replaces do not follow
+        (:data:`_DERIVED`): the next rollout builds its engine from the new actor. A lowered
+        state refuses a new model: its sharded wrappers cannot be rebuilt here."""
         self._check()
         unknown = set(changes) - {f.name for f in fields(self)}
         if unknown:
             raise TypeError(f"TrainState has no field(s) {sorted(unknown)}; fields: {[f.name for f in fields(self) if not f.name.startswith('_')]}")
         values = {f.name: object.__getattribute__(self, f.name) for f in fields(self) if f.name != "_donation"}
+        if "_cache" not in changes:  # a caller passing _cache (lowering) says what it holds
+            values["_cache"] = _cache_after(values["_cache"], [k for k in _DERIVED if k in changes and changes[k] is not values[k]])
         values.update(changes)
         return TrainState(**values)
 
@@ -119,25 +138,46 @@ class TrainState:
         return generator(fold_in(self.seed, self.step, *path), device=device or self.device)
 
 
+def _cache_after(cache: dict, changed: list[str]) -> dict:
+    """``cache`` without the entries derived from the ``changed`` fields; a new dict, since the
+    old state shares the old one and still uses its engine."""
+    if not changed:
+        return cache
+    lowered = [k for k in _LOWERED if k in cache]
+    if lowered:
+        models = [k for k in changed if k != "tokenizer"]
+        if not models:
+            return cache  # a lowered engine is the built-in one, which reads no tokenizer
+        raise ValueError(
+            f"TrainState.replace({models[0]}=...): this state was lowered (Plan.shard wrapped its models for "
+            f"distributed training and built the rollout engine from them); those would keep the old model. "
+            f"Replace {models[0]} before lowering, then lower the new state"
+        )
+    stale = {key for name in changed for key in _DERIVED[name]}
+    return {k: v for k, v in cache.items() if k not in stale}
+
+
 def fold_in(seed: int, *path: int | str) -> int:
     """Derive a 63-bit key from a root seed and a path (JAX's ``fold_in``, by hashing)."""
     h = hashlib.blake2b(repr((int(seed),) + tuple(path)).encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
 
-def _checked_device(device: torch.device | str) -> torch.device:
+def _checked_device(device: torch.device | str, where: str = "") -> torch.device:
     """``device`` as a torch.device, or an error saying what this machine has (torch's own are an
-    AssertionError, "Torch not compiled with CUDA enabled", or a list of every device type)."""
+    AssertionError, "Torch not compiled with CUDA enabled", or a list of every device type);
+    ``where`` (``"load_model"``) leads the message."""
+    lead = f"{where}: " if where else ""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"device={device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'") from None
+        raise ValueError(f"{lead}device={device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N' (e.g. 'cuda:0')") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device={device!r}, but this torch ({torch.__version__}) sees no CUDA GPU; "
+            raise ValueError(f"{lead}device={device!r}, but this torch ({torch.__version__}) sees no CUDA GPU; "
                              "use device='cpu', or install a CUDA build of torch on a machine with a GPU")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device={device!r}, but only {torch.cuda.device_count()} CUDA GPU(s) are visible "
+            raise ValueError(f"{lead}device={device!r}, but only {torch.cuda.device_count()} CUDA GPU(s) are visible "
                              f"(cuda:0 to cuda:{torch.cuda.device_count() - 1}); check CUDA_VISIBLE_DEVICES")
     return dev
 
@@ -175,16 +215,13 @@ def init(
     """
     from rlkit.optim import adamw
 
+    _check_init_args(model, optimizer, tokenizer, ref, critic, critic_optimizer)
     spec = optimizer or adamw()
-    if not isinstance(spec, OptimizerSpec):
-        raise TypeError(f"optimizer must be an rlkit OptimizerSpec (e.g. rk.optim.adamw(lr=1e-5)), got {type(spec).__name__}")
     if device is not None:
         model = model.to(_checked_device(device))
     if tokenizer is None:
         tokenizer = getattr(model, "rlkit_tokenizer", None)
     if isinstance(ref, str):
-        if ref != "copy":
-            raise ValueError(f"ref must be a model, None or 'copy', got {ref!r}")
         ref = copy.deepcopy(model)
     if ref is not None:
         ref = ref.to(next(model.parameters()).device).eval().requires_grad_(False)
@@ -210,3 +247,38 @@ def init(
         seed=seed,
         optimizer_spec=spec,
     )
+
+
+def _check_init_args(model, optimizer, tokenizer, ref, critic, critic_optimizer) -> None:
+    """Clear errors for what :func:`init` cannot use, before anything is moved or frozen (torch's
+    and transformers' own errors surface later and name an attribute, not the argument)."""
+    import os
+
+    from rlkit._checks import model_of
+
+    if isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"rk.init takes a model, not a path ({str(model)!r}); load it with rk.models.load_model(path)")
+    model_of(model, "rk.init", accept_state=False)
+    for name, spec in (("optimizer", optimizer), ("critic_optimizer", critic_optimizer)):
+        if spec is not None and not isinstance(spec, OptimizerSpec):
+            raise TypeError(f"{name} must be an rlkit OptimizerSpec (e.g. rk.optim.adamw(lr=1e-5)), got {type(spec).__name__}")
+    if isinstance(tokenizer, (str, os.PathLike)):
+        raise TypeError(
+            f"tokenizer must be a tokenizer object, not a name or path ({str(tokenizer)!r}); load it with "
+            "transformers.AutoTokenizer.from_pretrained(local_dir) (or rk.models.load_tokenizer(local_dir))"
+        )
+    if isinstance(ref, str):
+        if ref != "copy":
+            raise ValueError(f"ref must be a model, None or 'copy', got {ref!r}")
+    elif ref is not None:
+        if not isinstance(ref, nn.Module):
+            raise TypeError(f"ref must be a model, None or 'copy' (a frozen copy of the actor), got {type(ref).__name__}")
+        if ref is model or not {id(p) for p in ref.parameters()}.isdisjoint(id(p) for p in model.parameters()):
+            # freezing the reference would freeze the actor too, and the KL to itself is zero
+            raise ValueError("ref is the actor itself (or shares its parameters): the reference must stay frozen while "
+                             "the actor trains; pass ref='copy' for a frozen snapshot of the actor")
+    if critic is not None and not isinstance(critic, nn.Module):
+        hint = " (there is no critic='copy', unlike ref)" if isinstance(critic, str) else ""
+        raise TypeError(f"critic must be a value model or None, got {type(critic).__name__} {critic!r}{hint}; "
+                        "build one with critic=rk.models.critic(model) (the actor's backbone with a scalar head), "
+                        "or rk.models.critic(local_dir)")

@@ -59,3 +59,61 @@ def test_cpu_adamw_takes_the_fused_kernel_with_the_loops_values():
     assert all((a - b).abs().max() > 1e-2 for a, b in zip(ours, base))
     for a, b in zip(ours, loop):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _greedy_logprobs(state):
+    return rk.rollout(state, ["1+2=", "3+4="], max_new_tokens=4, temperature=0)["logprobs"]
+
+
+def test_replace_actor_samples_the_new_actor(tiny_model, char_tok):
+    """The cached engine read the old actor's parameters and, the policy_version being unchanged,
+    was never re-synced: a replaced actor kept sampling the old model."""
+    state = rk.init(tiny_model, rk.optim.adamw(lr=1e-3), tokenizer=char_tok)
+    old = _greedy_logprobs(state)
+    other = rk.models.tiny(char_tok, hidden_size=32, intermediate_size=64, num_hidden_layers=1, seed=123)
+    swapped = state.replace(actor=other)
+    expected = _greedy_logprobs(rk.init(other, rk.optim.adamw(lr=1e-3), tokenizer=char_tok))
+    assert not torch.allclose(old, expected)
+    torch.testing.assert_close(_greedy_logprobs(swapped), expected, rtol=0, atol=0)
+    # the old state keeps its own engine, and an unrelated change keeps the cache
+    torch.testing.assert_close(_greedy_logprobs(state), old, rtol=0, atol=0)
+    assert state.replace(step=1)._cache["engine"] is state._cache["engine"]
+    assert state.replace(actor=state.actor)._cache["engine"] is state._cache["engine"]
+
+
+def test_replace_drops_only_the_caches_of_the_replaced_model(tiny_model, char_tok):
+    state = rk.init(tiny_model, rk.optim.adamw(lr=1e-3), tokenizer=char_tok, ref="copy")
+    marks = {k: object() for k in ("engine", "engine_kind", "actor_module", "ref_module", "critic_module", "release_engine")}
+    state = state.replace(_cache=dict(marks))
+    assert set(state.replace(ref=rk.models.tiny(char_tok, hidden_size=64, intermediate_size=128))._cache) == set(marks) - {"ref_module"}
+    assert set(state.replace(tokenizer=rk.models.char_tokenizer("0123456789+-*= abc"))._cache) == set(marks) - {"engine", "engine_kind"}
+    assert set(state.replace(actor=rk.models.tiny(char_tok, hidden_size=32, intermediate_size=64))._cache) == {
+        "ref_module", "critic_module", "release_engine"}
+    # a lowered state's sharded wrappers cannot be rebuilt by replace: refused, not silently stale
+    lowered = state.replace(_cache={**marks, "dp": object()})
+    with pytest.raises(ValueError, match=r"replace\(actor=...\).*lowered.*before lowering"):
+        lowered.replace(actor=rk.models.tiny(char_tok, hidden_size=32, intermediate_size=64))
+
+
+def test_init_refuses_the_actor_as_its_own_reference(tiny_model, char_tok):
+    with pytest.raises(ValueError, match="ref is the actor itself.*ref='copy'"):
+        rk.init(tiny_model, rk.optim.adamw(lr=1e-3), tokenizer=char_tok, ref=tiny_model)
+    with pytest.raises(ValueError, match="shares its parameters"):
+        rk.init(tiny_model, rk.optim.adamw(lr=1e-3), tokenizer=char_tok, ref=torch.nn.ModuleList([tiny_model.lm_head]))
+    assert all(p.requires_grad for p in tiny_model.parameters())  # refused before freezing anything
+    with pytest.raises(TypeError, match="ref must be a model, None or 'copy'.*got bool"):
+        rk.init(tiny_model, rk.optim.adamw(lr=1e-3), tokenizer=char_tok, ref=True)
+
+
+def test_init_names_the_bad_argument(tiny_model, char_tok):
+    opt = rk.optim.adamw(lr=1e-3)
+    with pytest.raises(TypeError, match=r"critic must be a value model.*no critic='copy'.*rk\.models\.critic\(model\)"):
+        rk.init(tiny_model, opt, tokenizer=char_tok, critic="copy")
+    with pytest.raises(TypeError, match=r"critic_optimizer must be an rlkit OptimizerSpec.*got float"):
+        rk.init(tiny_model, opt, tokenizer=char_tok, critic=rk.models.critic(tiny_model), critic_optimizer=1e-3)
+    with pytest.raises(TypeError, match=r"not a path \('some/dir'\).*rk\.models\.load_model\(path\)"):
+        rk.init("some/dir", opt)
+    with pytest.raises(TypeError, match="takes a model, not a TrainState"):
+        rk.init(rk.init(tiny_model, opt, tokenizer=char_tok), opt)
+    with pytest.raises(TypeError, match=r"tokenizer must be a tokenizer object.*'gpt2'.*AutoTokenizer\.from_pretrained"):
+        rk.init(tiny_model, opt, tokenizer="gpt2")

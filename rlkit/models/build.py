@@ -56,6 +56,67 @@ def _vocab_fields(vocab: Any) -> dict[str, Any]:
     return fields
 
 
+#: override names :func:`tiny_config` handles itself or that configs take beside their fields
+#: (``rope_theta`` goes into ``rope_parameters``; ``head_dim`` is read by every arch's attention)
+EXTRA_FIELDS = ("head_dim", "rope_theta", "rope_scaling", "attn_implementation", "num_labels")
+
+
+def _check_overrides(arch: str, overrides: dict[str, Any]) -> None:
+    """Refuse override names the architecture does not have: transformers configs keep any
+    keyword as an attribute, so ``hiden_size=64`` would build the default shape silently."""
+    import difflib
+
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHS)}")
+    known = set(getattr(transformers, ARCHS[arch])().to_dict()) | set(EXTRA_FIELDS)
+    unknown = sorted(k for k in overrides if k not in known)
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, sorted(known), n=3)
+            hints.append(f"{name!r} (did you mean {', '.join(map(repr, close))}?)" if close else repr(name))
+        raise ValueError(f"unknown {ARCHS[arch]} field(s) {', '.join(hints)}; tiny takes size, arch, seed, dtype and "
+                         f"config fields such as hidden_size, num_hidden_layers, num_attention_heads, intermediate_size")
+
+
+def _check_heads(fields: dict[str, Any]) -> None:
+    """Name the shape rule a head count breaks (transformers reports a RoPE error about head_dim
+    or a tensor-size mismatch in attention instead)."""
+    from rlkit._checks import int_at_least
+
+    for name in ("hidden_size", "num_attention_heads", "num_key_value_heads"):
+        if fields.get(name) is not None:
+            int_at_least(fields[name], name)
+    hidden, heads, kv = fields["hidden_size"], fields["num_attention_heads"], fields.get("num_key_value_heads")
+    if "head_dim" not in fields:
+        if hidden % heads:
+            raise ValueError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads} (each head gets "
+                             "hidden_size / num_attention_heads dimensions); change one, or give head_dim=... explicitly")
+        if (hidden // heads) % 2:
+            raise ValueError(f"head_dim = hidden_size / num_attention_heads = {hidden // heads} is odd; rotary embeddings "
+                             "rotate pairs of dimensions, so pick sizes that give an even head_dim (or give head_dim=...)")
+    if kv is not None and heads % kv:
+        raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv} (grouped-query "
+                         "attention shares each key/value head among a whole number of query heads)")
+
+
+def _dtype(dtype: Any, where: str, auto: bool = False) -> torch.dtype | str:
+    """``dtype`` as a floating torch.dtype, from itself or a name (``"bfloat16"``,
+    ``"torch.float16"``); ``"auto"`` (the checkpoint's own) where ``auto``."""
+    if auto and dtype == "auto":
+        return dtype
+    value = dtype
+    if isinstance(dtype, str):
+        value = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        accepted = "a floating torch.dtype (torch.bfloat16) or its name: 'bfloat16', 'float16', 'float32'" + (
+            ", or 'auto' (the checkpoint's dtype)" if auto else "")
+        raise ValueError(f"{where}: dtype={dtype!r} is not a floating dtype; use {accepted}")
+    return value
+
+
 def _config(arch: str, fields: dict[str, Any]) -> PretrainedConfig:
     import transformers
 
@@ -80,9 +141,11 @@ def tiny_config(vocab: Any, size: str = "tiny", arch: str = "qwen2", **overrides
     """The config :func:`tiny` builds its model from (same arguments, no weights allocated)."""
     if size not in PRESETS:
         raise ValueError(f"unknown size {size!r}; choose one of {sorted(PRESETS)} (or pass hidden_size=... overrides)")
+    _check_overrides(arch, overrides)
     fields: dict[str, Any] = {"tie_word_embeddings": True, **PRESETS[size]}
     fields.update(_vocab_fields(vocab))
     fields.update(overrides)
+    _check_heads(fields)
     fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
     return _config(arch, fields)
 
@@ -107,6 +170,7 @@ def tiny(
     """
     from transformers import AutoModelForCausalLM
 
+    dtype = _dtype(dtype, "tiny")
     config = tiny_config(vocab, size, arch, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -150,10 +214,18 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str | None = None,
 ) -> PreTrainedModel:
-    """Load a causal LM from a LOCAL directory (``local_files_only``), checking what is there first."""
+    """Load a causal LM from a LOCAL directory (``local_files_only``), checking what is there first.
+
+    ``dtype``: a torch.dtype or its name (``"bfloat16"``), or ``"auto"`` (the checkpoint's);
+    ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:0"``, ... (both checked before anything loads)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from rlkit.state import _checked_device
+
+    dtype = _dtype(dtype, "load_model", auto=True)
+    if device is not None:
+        device = _checked_device(device, "load_model")
     directory = _check_model_dir(path, "load_model")
     config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     supported = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -205,6 +277,8 @@ def critic(
     """
     from transformers import AutoConfig, AutoModelForTokenClassification
 
+    if dtype is not None:
+        dtype = _dtype(dtype, "critic")
     if isinstance(source, (str, os.PathLike)):
         directory = _check_model_dir(source, "critic")
         config = _critic_config(AutoConfig.from_pretrained(str(directory), local_files_only=True))

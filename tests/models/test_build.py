@@ -144,3 +144,38 @@ def test_critic_from_actor_directory_and_config(tok, tmp_path):
     fresh = critic(actor.config, seed=3)
     assert not torch.equal(fresh.model.embed_tokens.weight, actor.model.embed_tokens.weight)
     assert torch.equal(critic(actor.config, seed=3).score.weight, fresh.score.weight)  # seeded
+
+
+def test_load_model_checks_dtype_and_device(tok, tmp_path):
+    tiny(tok, hidden_size=32, intermediate_size=64, num_hidden_layers=1).save_pretrained(tmp_path)
+    for dtype in ("bfloat16", "torch.bfloat16", torch.bfloat16):
+        assert next(load_model(tmp_path, dtype=dtype).parameters()).dtype == torch.bfloat16
+    assert next(load_model(tmp_path, dtype="auto").parameters()).dtype == torch.float32
+    for bad in ("bf16", "int8", torch.int64, 16):
+        with pytest.raises(ValueError, match=r"load_model: dtype=.* is not a floating dtype.*'bfloat16', 'float16', 'float32'"):
+            load_model(tmp_path, dtype=bad)
+    with pytest.raises(ValueError, match=r"load_model: device='gpu' is not a device.*'cpu', 'cuda'.*'cuda:0'"):
+        load_model(tmp_path, device="gpu")
+    assert load_model(tmp_path, device="cpu").device.type == "cpu"
+    with pytest.raises(ValueError, match="tiny: dtype='fp32'"):
+        tiny(tok, dtype="fp32")
+
+
+def test_tiny_refuses_unknown_fields_and_bad_head_shapes(tok):
+    with pytest.raises(ValueError, match=r"unknown Qwen2Config field\(s\) 'hiden_size' \(did you mean 'hidden_size'"):
+        tiny(tok, hiden_size=30)
+    with pytest.raises(ValueError, match=r"'num_layers' \(did you mean .*'num_hidden_layers'.*'xyzzy'"):
+        tiny_config(tok, num_layers=1, xyzzy=2)
+    with pytest.raises(ValueError, match="unknown LlamaConfig field.*'use_sliding_window'"):
+        tiny_config(tok, arch="llama", use_sliding_window=True)  # a qwen2 field, not llama's
+    with pytest.raises(ValueError, match="hidden_size=30 is not divisible by num_attention_heads=4.*head_dim"):
+        tiny(tok, hidden_size=30, num_attention_heads=4)
+    with pytest.raises(ValueError, match="head_dim = hidden_size / num_attention_heads = 7 is odd"):
+        tiny(tok, hidden_size=28, num_attention_heads=4)
+    with pytest.raises(ValueError, match="num_attention_heads=3 is not a multiple of num_key_value_heads=2"):
+        tiny(tok, hidden_size=96, num_attention_heads=3)
+    with pytest.raises(ValueError, match="num_attention_heads must be a positive int"):
+        tiny(tok, num_attention_heads=0)
+    # an explicit head_dim decouples the head width from hidden_size
+    model = tiny(tok, hidden_size=30, num_attention_heads=4, head_dim=8, intermediate_size=64)
+    assert model.config.head_dim == 8 and model(_ids(len(tok))).logits.shape == (3, 7, len(tok))
