@@ -17,13 +17,41 @@ class Registry(Generic[F]):
         self.kind = kind
         self._fns: dict[str, F] = {}
 
-    def register(self, *names: str) -> Callable[[F], F]:
-        """Decorator: ``@POLICY_LOSSES.register("ppo_clip", "vanilla")``."""
+    def register(self, *names: str | F) -> Callable[[F], F] | F:
+        """Decorator: ``@POLICY_LOSSES.register("ppo_clip", "vanilla")``.
+
+        Without names (``@REG.register`` or ``@REG.register()``) the function is registered
+        under its ``__name__``: the bare form is what a user writes first, and it used to hand
+        back the inner decorator in place of the function and register nothing. Either way the
+        decorator returns the function itself, so the decorated name stays a usable function.
+        """
+        if len(names) == 1 and callable(names[0]) and not isinstance(names[0], str):
+            return self.register()(names[0])  # bare @REG.register: the function came as the "name"
+        for name in names:
+            if not isinstance(name, str) or not name:
+                raise TypeError(
+                    f"{self.kind} names must be non-empty strings, got {name!r}; "
+                    f"write @register('name', ...) or a bare @register (registers the function's __name__)"
+                )
 
         def deco(fn: F) -> F:
-            for name in names:
+            if not callable(fn):
+                raise TypeError(f"can only register a callable as a {self.kind}, got {type(fn).__name__}")
+            keys = names
+            if not keys:
+                own = getattr(fn, "__name__", None)
+                if not isinstance(own, str) or not own.isidentifier():
+                    # a lambda ("<lambda>") or a functools.partial has no name a user could type
+                    raise TypeError(
+                        f"this {self.kind} has no usable __name__ ({own!r}); register it with an explicit name: "
+                        f"register('my_name')(fn)"
+                    )
+                keys = (own,)
+            for name in keys:
                 if name in self._fns and self._fns[name] is not fn:
-                    raise ValueError(f"{self.kind} {name!r} is already registered to {self._fns[name].__qualname__}")
+                    owner = self._fns[name]
+                    raise ValueError(f"{self.kind} {name!r} is already registered to {getattr(owner, '__qualname__', repr(owner))}")
+            for name in keys:  # all names checked first, so a clash registers none of them
                 self._fns[name] = fn
             return fn
 

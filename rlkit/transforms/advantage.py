@@ -6,7 +6,12 @@ only the batch fields its signature names — ``token_rewards``, ``response_mask
 ``values``, ``reward_baselines`` — plus ``**kw``, and returns ``(advantages, returns)``.
 
 ``token_rewards (b t)`` is the batch's own field when present (KL-in-reward, per-token shaping);
-otherwise the sequence reward ``rewards (b)`` is placed on the last response token, as verl does.
+otherwise the sequence reward ``rewards (b)`` is placed on the last response token, as verl does
+(a row with no response token may only carry reward 0; see :func:`sequence_to_token_rewards`).
+
+The built-in group estimators (:data:`GROUP_ESTIMATORS`, by name, alias or function) need the
+same number ``n >= 2`` of samples per prompt; an estimator of your own that takes ``group`` gets
+whatever grouping the batch has.
 """
 from __future__ import annotations
 
@@ -15,17 +20,51 @@ from typing import Callable
 
 import torch
 
+from rlkit.algos import advantages as _builtin
 from rlkit.algos.advantages import ADVANTAGE_ESTIMATORS
 from rlkit.batch import Batch, BatchError, group_size, shallow_copy, validate
 
 BATCH_INPUTS = ("token_rewards", "response_mask", "group", "values", "reward_baselines")
-#: estimators that compare samples of the same prompt and so need >= 2 samples per prompt
-GROUP_ESTIMATORS = {"grpo", "drgrpo", "rloo", "opo", "gpg", "reinforce++_baseline"}
+
+#: built-in estimator function -> the name its messages use. These compare the samples of a
+#: prompt with each other, so :func:`advantage` asks them for >= 2 samples per prompt and the same
+#: number in every group (see there). Keyed by function, not name, so an alias
+#: ("reinforce_plus_plus_baseline"), the function object itself (``rk.algos.advantages.grpo``) and
+#: a user's own name registered to a built-in all get the checks the canonical name gets.
+_GROUP_BUILTINS = {
+    _builtin.grpo: "grpo",
+    _builtin.drgrpo: "drgrpo",
+    _builtin.rloo: "rloo",
+    _builtin.opo: "opo",
+    _builtin.gpg: "gpg",
+    _builtin.reinforce_plus_plus_baseline: "reinforce++_baseline",
+}
+#: the same estimators as every registered name (aliases included) and as the functions, for an
+#: ``estimator in GROUP_ESTIMATORS`` test that takes what :func:`advantage` takes (rlkit.jobs)
+GROUP_ESTIMATORS = frozenset(
+    [n for n in ADVANTAGE_ESTIMATORS.names() if ADVANTAGE_ESTIMATORS.get(n) in _GROUP_BUILTINS] + list(_GROUP_BUILTINS)
+)
 
 
 def sequence_to_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Place each row's scalar reward on its last response token: (b) -> (b t)."""
+    """Place each row's scalar reward on its last response token: (b) -> (b t).
+
+    A row with no response token (only a hand-made batch has one: engines emit >= 1 token) has
+    nowhere to put its reward. A nonzero one is refused: dropping it would silently change every
+    estimator's statistics (the row would count as reward 0 in its group's mean and std), and
+    the row cannot be trained on anyway. A zero reward is allowed: placing it nowhere loses
+    nothing, since every estimator reads a row's reward as the sum of its token rewards, which
+    is then exactly that 0.
+    """
     mask = response_mask.bool()
+    lost = ~mask.any(-1) & (rewards != 0)
+    if lost.any():
+        rows = lost.nonzero().flatten().tolist()
+        raise BatchError(
+            f"rows {rows[:8]} have a nonzero reward (values {rewards[rows[:8]].tolist()}) but no response token to "
+            "put it on, so it would be lost; drop those rows (batch[keep]) or give each response at least one "
+            "token (e.g. EOS)"
+        )
     last = (mask.long().cumsum(-1) == mask.long().sum(-1, keepdim=True)) & mask
     return torch.where(last, rewards.to(torch.float32)[:, None], torch.zeros((), dtype=torch.float32, device=rewards.device))
 
@@ -57,11 +96,23 @@ def advantage(batch: Batch, estimator: str | Callable = "grpo", **kw) -> Batch:
                     validate(batch, require=(name,))
                 continue
             inputs[name] = available[name]()
-    if (isinstance(estimator, str) and estimator in GROUP_ESTIMATORS) or "group" in inputs:
-        size = group_size(batch)
-        if isinstance(estimator, str) and estimator in GROUP_ESTIMATORS and size < 2:
+    builtin = next((name for f, name in _GROUP_BUILTINS.items() if f is fn), None)
+    if builtin is not None:
+        # Only the built-in group estimators are held to equal groups of n >= 2. They compute
+        # verl's per-prompt statistics, which give a group of one a meaningless advantage (its raw
+        # reward for rloo, s / (1 + eps) for grpo); ragged groups most often mean rows lost or
+        # mislabelled on the way, and would train silently on such groups. A user's estimator
+        # that takes ``group`` owns its statistics and gets any grouping (ids are arbitrary and
+        # groups need not be equal: the tutorial's median baseline handles that).
+        shown = estimator if isinstance(estimator, str) else builtin
+        validate(batch, require=("group",))
+        try:
+            size = group_size(batch)
+        except BatchError as e:
+            raise BatchError(f"estimator {shown!r}: {e}") from None
+        if size < 2:
             raise BatchError(
-                f"estimator {estimator!r} compares samples of the same prompt but every group has "
+                f"estimator {shown!r} compares samples of the same prompt but every group has "
                 f"1 sample; sample n >= 2 responses per prompt (rollout(..., n=8))"
             )
     unknown = set(kw) - set(params) if not any(p.kind is p.VAR_KEYWORD for p in params.values()) else set()

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -66,3 +68,93 @@ def test_gae_requires_values():
 def test_nan_reward_is_refused_naming_the_row():
     with pytest.raises(rk.BatchError, match="rewards.*rows \\[1\\]"):
         rk.advantage(_scored([1.0, float("nan")], group=[0, 0]), "grpo")
+
+
+# ---------------------------------------------------------------- which estimators need equal groups
+
+
+def median_baseline(token_rewards, response_mask, group, *, scale=1.0):
+    """The tutorial's estimator (tutorials/custom_algorithm.md), verbatim."""
+    scores = token_rewards.sum(-1)
+    ids = torch.unique(group, return_inverse=True)[1]
+    medians = torch.stack([scores[ids == g].median() for g in range(int(ids.max()) + 1)])
+    adv = (scores - medians[ids]) * scale
+    adv = adv[:, None] * response_mask
+    return adv, adv
+
+
+def test_custom_group_estimator_takes_groups_of_unequal_size():
+    import statistics
+
+    rewards = [1.0, 0.0, 3.0, 2.0, 5.0, -1.0, 4.0, 0.5, 7.0]
+    group = [9, 4, 9, 9, -2, 4, 4, 4, 4]  # sizes 3, 5, 1; arbitrary ids, not contiguous
+    lengths = [3, 1, 2, 3, 2, 3, 1, 2, 3]
+    out = rk.advantage(_scored(rewards, group, lengths), median_baseline, scale=0.5)
+    members = {g: [r for r, h in zip(rewards, group) if h == g] for g in set(group)}
+    want = [(r - statistics.median(members[g])) * 0.5 for r, g in zip(rewards, group)]
+    for i, n in enumerate(lengths):
+        assert out["advantages"][i, :n].tolist() == pytest.approx([want[i]] * n)
+        assert torch.all(out["advantages"][i, n:] == 0)
+
+
+BUILTIN_GROUP = [
+    ("grpo", "grpo"), ("drgrpo", "drgrpo"), ("rloo", "rloo"), ("opo", "opo"), ("gpg", "gpg"),
+    ("reinforce++_baseline", "reinforce++_baseline"),
+    ("reinforce_plus_plus_baseline", "reinforce_plus_plus_baseline"),
+    (rk.algos.advantages.grpo, "grpo"), (rk.algos.advantages.rloo, "rloo"),
+    (rk.algos.advantages.reinforce_plus_plus_baseline, "reinforce++_baseline"),
+]
+
+
+@pytest.mark.parametrize("estimator, shown", BUILTIN_GROUP, ids=lambda e: e if isinstance(e, str) else f"fn:{e.__name__}")
+def test_builtin_group_estimator_checks_by_name_alias_or_function(estimator, shown):
+    with pytest.raises(rk.BatchError, match=f"estimator '{re.escape(shown)}' compares.*n >= 2"):
+        rk.advantage(_scored([1.0, 0.0], group=[0, 1]), estimator)
+    with pytest.raises(rk.BatchError, match="different sizes"):
+        rk.advantage(_scored([1.0, 0.0, 1.0], group=[0, 0, 1]), estimator)
+
+
+def test_a_users_name_for_a_builtin_gets_its_checks(monkeypatch):
+    from rlkit.algos.advantages import ADVANTAGE_ESTIMATORS
+
+    monkeypatch.setattr(ADVANTAGE_ESTIMATORS, "_fns", dict(ADVANTAGE_ESTIMATORS._fns))
+    ADVANTAGE_ESTIMATORS.register("my_grpo")(rk.algos.advantages.grpo)
+    with pytest.raises(rk.BatchError, match="'my_grpo' compares.*n >= 2"):
+        rk.advantage(_scored([1.0, 0.0], group=[0, 1]), "my_grpo")
+
+
+def test_group_estimators_set_holds_aliases_and_functions():
+    from rlkit.transforms.advantage import GROUP_ESTIMATORS
+
+    for e in ("grpo", "reinforce++_baseline", "reinforce_plus_plus_baseline", rk.algos.advantages.drgrpo):
+        assert e in GROUP_ESTIMATORS
+    for e in ("gae", "reinforce++", "reinforce_plus_plus", "remax", rk.algos.advantages.gae, median_baseline):
+        assert e not in GROUP_ESTIMATORS
+
+
+# ---------------------------------------------------------------- rows without response tokens
+
+
+def test_nonzero_reward_on_an_empty_response_is_refused_naming_the_row():
+    batch = make_batch([[5]] * 4, [[6, 7], [], [6], [7]], group=[0] * 4, rewards=[1.0, -5.0, 1.0, 1.0])
+    for est in ("rloo", "grpo", "reinforce++", median_baseline):
+        with pytest.raises(rk.BatchError, match="rows \\[1\\].*-5.*no response token.*drop those rows"):
+            rk.advantage(batch, est)
+    with pytest.raises(rk.BatchError, match="rows \\[0, 2\\]"):
+        sequence_to_token_rewards(torch.tensor([2.0, 0.0, -1.0]), torch.tensor([[0, 0], [1, 0], [0, 0]]).bool())
+
+
+def test_zero_reward_on_an_empty_response_keeps_the_documented_formula():
+    """Reward 0 on a row with no token loses nothing: the row's score is 0 either way."""
+    import statistics
+
+    rewards = [1.0, 0.0, 3.0, 1.0]
+    batch = make_batch([[5]] * 4, [[6, 7], [], [6], [7]], group=[0] * 4, rewards=rewards)
+    rloo = rk.advantage(batch, "rloo")["advantages"]
+    for i in (0, 2, 3):  # A_i = s_i - mean of the other rows
+        others = rewards[:i] + rewards[i + 1:]
+        assert rloo[i, 0].item() == pytest.approx(rewards[i] - sum(others) / 3)
+    assert torch.all(rloo[1] == 0)
+    grpo = rk.advantage(batch, "grpo")["advantages"]
+    mean, std = statistics.mean(rewards), statistics.stdev(rewards)
+    assert grpo[2, 0].item() == pytest.approx((3.0 - mean) / (std + 1e-6), rel=1e-6)
