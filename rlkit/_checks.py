@@ -1,15 +1,33 @@
 """Argument checks shared by the public functions: one wording for every "must be an int" error."""
 from __future__ import annotations
 
+import math
 import numbers
+
+
+def is_int(x) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_real(x) -> bool:
+    """A real number (Python's or numpy's), not a bool; NaN and inf included (check the range)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def int_at_least(value, name: str, minimum: int = 1, hint: str = "") -> None:
     """Raise ``ValueError`` naming ``name`` unless ``value`` is an int (not a bool) ``>= minimum``;
     ``hint`` follows the requirement in the message (``" or None (the whole batch)"``)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    if not is_int(value) or value < minimum:
         need = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ValueError(f"{name} must be {need}{hint}, got {value!r}")
+
+
+def positive_finite_or_none(value, name: str, none: str) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is None or a finite number > 0;
+    ``none`` says what None means (``"no clipping"``)."""
+    if value is not None and not (is_real(value) and 0 < value < math.inf):
+        raise ValueError(f"{name} must be a finite number > 0, or None ({none}), got {value!r}")
 
 
 def model_of(model, where: str, *, accept_state: bool = True):
@@ -35,11 +53,16 @@ def tokenizer_of(tokenizer, where: str):
     return tokenizer
 
 
+def context_limit(model) -> int | None:
+    """The model's context in tokens (``config.max_position_embeddings``), or None if it names none."""
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
 def check_context(model, tokens: int, where: str, hint: str) -> None:
     """Raise ``ValueError`` when ``tokens`` positions exceed the model's context
-    (``config.max_position_embeddings``); positions past it index nothing the model learned, and
-    the built-in engine's rotary table would not reach them."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    (:func:`context_limit`); positions past it index nothing the model learned, and the built-in
+    engine's rotary table would not reach them."""
+    limit = context_limit(model)
     if limit is not None and tokens > limit:
         raise ValueError(f"{where} needs {tokens} positions, over the model's context of {limit} tokens "
                          f"(max_position_embeddings); {hint}")

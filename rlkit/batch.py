@@ -30,12 +30,13 @@ The padded layout is the API; :func:`packed` gives the variable-length view for 
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from tensordict import NonTensorStack, TensorDict
+
+from rlkit._checks import is_int, is_real
 
 Batch = TensorDict
 
@@ -64,16 +65,20 @@ TEXT_FIELDS = ("prompt_text", "response_text")
 RESERVED_COLUMNS = frozenset(FIELDS) | set(TEXT_FIELDS) | {"rollout_metrics", "prompts", "completions", "completion_ids"}
 
 
-def check_column_names(names: Iterable[str], where: str, allow: Iterable[str] = ()) -> None:
-    """Raise :class:`BatchError` naming any of ``names`` that a batch uses itself
-    (:data:`RESERVED_COLUMNS`, ``reward/...``) unless in ``allow``: such a column would overwrite
-    the batch's field or collide with a reward function's keyword, silently or with a misleading
-    error later."""
+def reserved_names(names: Iterable[Any], allow: Iterable[str] = ()) -> list[str]:
+    """The ``names`` (sorted) that a batch uses itself (:data:`RESERVED_COLUMNS`, ``reward/...``,
+    anything not a string), except those in ``allow``: as a data column such a name would
+    overwrite the batch's field or collide with a reward function's keyword."""
     allow = set(allow)
-    bad = sorted(
+    return sorted(
         str(n) for n in names
         if n not in allow and (not isinstance(n, str) or n in RESERVED_COLUMNS or n.startswith("reward/"))
     )
+
+
+def check_column_names(names: Iterable[str], where: str, allow: Iterable[str] = ()) -> None:
+    """Raise :class:`BatchError` naming those of ``names`` that are :func:`reserved_names`."""
+    bad = reserved_names(names, allow)
     if bad:
         raise BatchError(
             f"{where}: column name(s) {bad} are reserved by rlkit's batch ({', '.join(sorted(RESERVED_COLUMNS))}, "
@@ -108,10 +113,6 @@ def _pad_left(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, to
     return _pad(rows, pad, left=True)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, (int, numbers.Integral)) and not isinstance(x, bool)
-
-
 def _check_token_rows(rows: Any, name: str) -> None:
     """Each row a sequence of token ids (ints >= 0): a flat list, text or float ids used to fail
     in padding with a bare TypeError, or be truncated to other tokens without a word."""
@@ -127,7 +128,7 @@ def _check_token_rows(rows: Any, name: str) -> None:
             if row.dtype.is_floating_point or row.dim() > 1:
                 raise BatchError(f"{name} row {i} is a {row.dim()}-d {row.dtype} tensor; give 1-d integer token ids")
             continue
-        bad = next((t for t in row if not _is_int(t) or t < 0), None)
+        bad = next((t for t in row if not is_int(t) or t < 0), None)
         if bad is not None:
             raise BatchError(f"{name} row {i} holds {bad!r}; token ids are ints >= 0")
 
@@ -138,8 +139,7 @@ def _check_numbers(values: Any, name: str, *, integral: bool, hint: str):
             raise BatchError(f"{name} must hold ints ({hint}); got a {values.dtype} tensor")
         return values
     for i, v in enumerate(values):
-        ok = _is_int(v) if integral else (isinstance(v, numbers.Real) and not isinstance(v, bool)) or (
-            isinstance(v, torch.Tensor) and v.numel() == 1)
+        ok = is_int(v) if integral else is_real(v) or (isinstance(v, torch.Tensor) and v.numel() == 1)
         if not ok:
             raise BatchError(f"{name} row {i} is {type(v).__name__} {v!r:.40}; {name} takes {hint}")
     return values

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from rlkit._checks import int_at_least
-from rlkit.batch import RESERVED_COLUMNS
+from rlkit.batch import RESERVED_COLUMNS, reserved_names
 
 
 class DataError(ValueError):
@@ -194,7 +194,7 @@ def load_prompts(
             tok = tok[-max_prompt_tokens:]
         others = {k: v for k, v in row.items() if k != prompt_key}
         if keys is None:
-            reserved = sorted(str(k) for k in others if not isinstance(k, str) or k in RESERVED_COLUMNS or k.startswith("reward/"))
+            reserved = reserved_names(others)
             if reserved:
                 raise DataError(
                     f"prompt columns {reserved} are names rlkit's batch uses itself ({', '.join(sorted(RESERVED_COLUMNS))}, "

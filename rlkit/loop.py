@@ -95,9 +95,9 @@ def _check_fit_args(state, recipe, reward, steps, sinks, checkpointer):
     if not callable(getattr(recipe, "step", None)):
         raise TypeError(f"fit: recipe must be a recipe (rk.recipes.get('grpo'), or any object with "
                         f".step(state, prompts, reward)), got {type(recipe).__name__}")
-    if reward is None:
-        raise TypeError("fit: reward is None; pass a reward function, a list of them, or a {name: weight} dict "
-                        "(rk.rewards has built-in ones)")
+    from rlkit.transforms.score import check_reward
+
+    check_reward(reward, "fit")
     int_at_least(steps, "steps", 0, " (the step count to reach)")
     if sinks is None:
         sinks = ()

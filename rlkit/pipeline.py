@@ -97,13 +97,9 @@ class Pipeline:
         reward = self.reward
         if isinstance(reward, Recipe):
             raise TypeError(f"Pipeline: reward is a recipe ({type(reward).__name__}); the order is Pipeline(step, reward)")
-        from rlkit.transforms.score import RewardError, _reward_functions
+        from rlkit.transforms.score import check_reward
 
-        try:
-            _reward_functions(reward)  # what rk.score takes, built-in names included
-        except RewardError as e:
-            raise TypeError(f"Pipeline: reward must be a reward function, a list of them or a dict name -> function "
-                            f"(what rk.score takes, e.g. task.reward): {e}") from None
+        check_reward(reward, "Pipeline")  # what rk.score takes, built-in names included
 
     def _fn(self) -> StepFn:
         return self.step.step if hasattr(self.step, "step") else self.step

@@ -68,6 +68,9 @@ def warmup(
                              "e.g. ('12+34=', '46')")
     if steps == 0:  # nothing to train (rlkit run --sft-steps 0); the model is left as it is
         return []
+    from rlkit.models.logprobs import response_logprobs
+
+    device = next(model.parameters()).device
     spec = adamw(lr=lr, weight_decay=0.0, warmup_steps=min(warmup_steps, steps), total_steps=steps, schedule="cosine", min_lr_ratio=0.1)
     optimizer, scheduler = spec.build(model.parameters())
     rng = random.Random(seed)
@@ -79,36 +82,34 @@ def warmup(
     was_training = model.training
     model.train()
     try:
-        _train(model, tokenizer, examples, steps, batch_size, rng, encoded, optimizer, scheduler, sinks, history)
+        for step in range(steps):
+            picks = [rng.randrange(len(examples)) for _ in range(batch_size)]
+            for i in picks:
+                if i not in encoded:
+                    encoded[i] = _encode_checked(model, tokenizer, examples[i], i)
+            batch = _batch_of(tokenizer, [encoded[i] for i in picks]).to(device)
+            logprobs, _ = response_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"])
+            mask = batch["response_mask"]
+            loss = -(logprobs * mask).sum() / mask.sum()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            metrics = {"sft/loss": float(loss.detach()), "sft/lr": scheduler.get_last_lr()[0]}
+            history.append(metrics)
+            broadcast(sinks, step + 1, metrics)
     finally:
         model.train(was_training)  # as evaluate does: the caller's mode, whatever happened
     return history
 
 
-def _train(model, tokenizer, examples, steps, batch_size, rng, encoded, optimizer, scheduler, sinks, history) -> None:
-    from rlkit.models.logprobs import response_logprobs
-
-    device = next(model.parameters()).device
-    for step in range(steps):
-        picks = [rng.randrange(len(examples)) for _ in range(batch_size)]
-        for i in picks:
-            if i not in encoded:
-                encoded[i] = _encode(tokenizer, *examples[i])
-                prompt, target = encoded[i]
-                if not prompt:
-                    raise ValueError(f"warmup: example {i}'s prompt {examples[i][0]!r} tokenizes to no tokens; "
-                                     "every example needs a non-empty prompt")
-                check_context(model, len(prompt) + len(target), f"warmup: example {i} ({examples[i][0][:40]!r}...)",
-                              "shorten it or drop it")
-        batch = _batch_of(tokenizer, [encoded[i] for i in picks]).to(device)
-        logprobs, _ = response_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"])
-        mask = batch["response_mask"]
-        loss = -(logprobs * mask).sum() / mask.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        metrics = {"sft/loss": float(loss.detach()), "sft/lr": scheduler.get_last_lr()[0]}
-        history.append(metrics)
-        broadcast(sinks, step + 1, metrics)
+def _encode_checked(model, tokenizer, example: tuple[str, str], i: int) -> tuple[list[int], list[int]]:
+    """:func:`_encode` of example ``i``, refused when its prompt has no token or the pair
+    exceeds the model's context (which rollouts refuse too)."""
+    prompt, target = _encode(tokenizer, *example)
+    if not prompt:
+        raise ValueError(f"warmup: example {i}'s prompt {example[0]!r} tokenizes to no tokens; "
+                         "every example needs a non-empty prompt")
+    check_context(model, len(prompt) + len(target), f"warmup: example {i} ({example[0][:40]!r}...)", "shorten it or drop it")
+    return prompt, target

@@ -8,13 +8,12 @@ Row order is prompt-major: row ``i * n + j`` is the ``j``-th sample of prompt ``
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from rlkit._checks import int_at_least
+from rlkit._checks import int_at_least, is_int, is_real
 
 
 @dataclass(frozen=True)
@@ -38,23 +37,16 @@ class SamplingParams:
     def __post_init__(self):
         int_at_least(self.n, "SamplingParams.n")
         int_at_least(self.max_new_tokens, "SamplingParams.max_new_tokens")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
+        if not is_int(self.top_k):
             raise ValueError(f"SamplingParams.top_k must be an int (<= 0: no top-k filter), got {self.top_k!r}")
-        if not _real(self.temperature) or not 0 <= self.temperature < math.inf:
+        if not is_real(self.temperature) or not 0 <= self.temperature < math.inf:
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not _real(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be a number in (0, 1] (1: no top-p filter), got {self.top_p!r}")
         stop = self.stop_token_ids
-        if isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable) or not all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in stop
-        ):
+        if isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable) or not all(is_int(t) and t >= 0 for t in stop):
             raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of token ids (ints >= 0), got {stop!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
-
-
-def _real(x) -> bool:
-    """A real number that is not a bool (NaN included: the range checks then reject it)."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 @dataclass

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch
 
-from rlkit._checks import int_at_least
+from rlkit._checks import int_at_least, positive_finite_or_none
 from rlkit.batch import Batch
 
 
@@ -73,10 +73,8 @@ class Recipe:
             if getattr(self, field_name) is not None:
                 int_at_least(getattr(self, field_name), f"{name}.{field_name}", 1, " or None")
         int_at_least(self.epochs, f"{name}.epochs", 1)
-        mgn = self.max_grad_norm
-        if mgn is not None and (isinstance(mgn, bool) or not isinstance(mgn, (int, float)) or not 0 < mgn < float("inf")):
-            # a negative norm used to be accepted and turned every update into gradient ascent
-            raise ValueError(f"{name}.max_grad_norm must be a finite number > 0, or None (no clipping), got {mgn!r}")
+        # a negative norm used to be accepted and turned every update into gradient ascent
+        positive_finite_or_none(self.max_grad_norm, f"{name}.max_grad_norm", "no clipping")
         # names too: a misspelt loss, option or aggregation used to surface after the first rollout
         from rlkit.algos import AGGREGATIONS
         from rlkit.transforms.update import _resolve_loss

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from rlkit._checks import int_at_least
-
 from rlkit.recipes.base import Recipe, reward_metrics
 from rlkit.state import fold_in
 from rlkit.transforms.advantage import advantage

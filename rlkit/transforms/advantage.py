@@ -96,7 +96,7 @@ def advantage(batch: Batch, estimator: str | Callable = "grpo", **kw) -> Batch:
                     validate(batch, require=(name,))
                 continue
             inputs[name] = available[name]()
-    builtin = next((name for f, name in _GROUP_BUILTINS.items() if f is fn), None)
+    builtin = _GROUP_BUILTINS.get(fn)
     if builtin is not None:
         # Only the built-in group estimators are held to equal groups of n >= 2. They compute
         # verl's per-prompt statistics, which give a group of one a meaningless advantage (its raw

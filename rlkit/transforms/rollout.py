@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from rlkit._checks import context_limit
 from rlkit.batch import Batch, row_tokens, set_column, shallow_copy
 from rlkit.data import Prompts, as_prompts
 from rlkit.engines.base import Engine, SamplingParams
@@ -104,7 +105,7 @@ def rollout(
     if stop_token_ids is None:
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         stop_token_ids = () if eos is None else (eos,)
-    max_pos = getattr(getattr(state.actor, "config", None), "max_position_embeddings", None)
+    max_pos = context_limit(state.actor)
     longest = max(len(p) for p in prompts.ids)
     if max_pos is not None and longest + max_new_tokens > max_pos:
         i = max(range(len(prompts)), key=lambda k: len(prompts.ids[k]))

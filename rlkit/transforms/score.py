@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import inspect
 import math
-import numbers
 import operator
 from collections import abc
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from rlkit._checks import is_real
 from rlkit.batch import Batch, BatchError, column, columns, row_tokens, shallow_copy, validate
 
 
@@ -261,6 +261,17 @@ def _reward_functions(reward: Any) -> dict[str, Callable]:
     return fns
 
 
+def check_reward(reward: Any, where: str) -> None:
+    """A ``TypeError`` led by ``where`` unless ``reward`` is what :func:`score` takes: for the
+    callers that hold a reward until their first step (``fit``, ``Pipeline``), where a wrong one
+    would otherwise surface after a whole rollout."""
+    try:
+        _reward_functions(reward)
+    except RewardError as e:
+        raise TypeError(f"{where}: reward must be a reward function, a list of them or a dict name -> function "
+                        f"(what rk.score takes, e.g. task.reward): {e}") from None
+
+
 def _reward_weights(weights: Any, fns: Mapping[str, Callable]) -> dict[str, float]:
     """One finite weight per reward function (all 1 without ``weights``)."""
     if weights is None:
@@ -278,7 +289,7 @@ def _reward_weights(weights: Any, fns: Mapping[str, Callable]) -> dict[str, floa
     else:
         raise RewardError(f"weights must be a list (one per reward function) or a {{name: weight}} dict, got {weights!r}")
     for k, v in zip(fns, values):
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+        if not is_real(v) or not math.isfinite(v):
             raise RewardError(f"weight of reward {k!r} must be a finite number, got {v!r}")
     return {k: float(v) for k, v in zip(fns, values)}
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from rlkit._checks import int_at_least
+from rlkit._checks import int_at_least, positive_finite_or_none
 from rlkit.algos.kl import kl_penalty
 from rlkit.algos.losses import POLICY_LOSSES, aggregate, value_loss
 from rlkit.batch import Batch, BatchError, validate
@@ -180,9 +180,7 @@ def update(
         raise BatchError("batch has neither 'old_logprobs' nor 'logprobs'; batches from rk.rollout carry logprobs, or call rk.compute_old_logprobs(state, batch)")
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
-    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
-                                      or not 0 < max_grad_norm < float("inf")):
-        raise ValueError(f"max_grad_norm must be a finite number > 0, or None (no clipping), got {max_grad_norm!r}")
+    positive_finite_or_none(max_grad_norm, "max_grad_norm", "no clipping")
     loss_fn, loss_kw, wants_generator, loss_accepts = _resolve_loss(loss, loss_kw)
     kl_mode, kl_coef = _resolve_kl(kl)
     if kl_coef and "ref_logprobs" not in keys:
@@ -269,7 +267,7 @@ def update(
                     # device sync) unless other ranks may hold tokens; then every rank reads the same sum
                     continue
                 optimizer.zero_grad(set_to_none=True)
-                mini_loss = None  # this mini-batch's loss: a non-finite one skips its optimizer step only
+                mini_loss = 0.0  # this mini-batch's loss: a non-finite one skips its optimizer step only
                 if train_critic:
                     state.critic_optimizer.zero_grad(set_to_none=True)
                 for u0 in range(0, mini, micro):
@@ -314,7 +312,7 @@ def update(
                             diff = (logprobs.detach() - mb["logprobs"]).abs().masked_fill(~mask, 0.0)
                             gap_abs = diff.sum().double() + (0.0 if gap_abs is None else gap_abs)
                             gap_max = diff.max().double() if gap_max is None else torch.maximum(gap_max, diff.max().double())
-                        mini_loss = total.detach() if mini_loss is None else mini_loss + total.detach()
+                        mini_loss = mini_loss + total.detach()
                         (total * grad_scale).backward()
                         if train_critic:
                             values = values_for_response(critic_module, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask,
@@ -329,7 +327,7 @@ def update(
                     record("actor/grad_norm", grad_norm)
                     # this mini-batch's own loss, not the running metric sum: one bad mini-batch used to
                     # make every later one of the update look non-finite and skip its step
-                    finite = bool(torch.isfinite(torch.as_tensor(grad_norm)) & torch.isfinite(torch.as_tensor(mini_loss if mini_loss is not None else 0.0)))
+                    finite = bool(torch.isfinite(torch.as_tensor(grad_norm)) & torch.isfinite(torch.as_tensor(mini_loss)))
                     if finite:
                         optimizer.step()
                         state.scheduler.step()
