@@ -2,7 +2,9 @@
 
 - clip-higher: asymmetric ratio clip [1 - 0.2, 1 + 0.28];
 - dynamic sampling: groups whose rewards all agree (zero variance, zero GRPO advantage) are
-  dropped and more prompts are sampled until the batch is full (or attempts run out);
+  dropped and more prompts are sampled until the batch is full (or ``max_attempts`` run out: a
+  short batch trains in whole mini-batches of ``mini_batch_size``, the rest of its rows dropped
+  and counted in ``dapo/dropped_rows``);
 - overlong reward shaping: a linear penalty in the last ``overlong_buffer`` tokens before
   ``max_new_tokens``.
 """
@@ -54,6 +56,11 @@ class DAPO(Recipe):
     def step(self, state, prompts, reward):
         kept, sampled, attempts = [], 0, 0
         target = len(prompts) * self.n
+        mini = self.mini_batch_size
+        if mini and target % mini:
+            # as update would refuse it for GRPO's batch (a full batch is len(prompts) * n rows)
+            raise ValueError(f"DAPO.mini_batch_size={mini} does not divide the batch of {len(prompts)} prompts x "
+                             f"n={self.n} = {target} rows; pick a divisor of {target} (or None for one step per batch)")
         while attempts < self.max_attempts and sum(b.batch_size[0] for b in kept) < target:
             seed = fold_in(state.seed, state.step, "dapo", attempts)
             batch = self.score(state, self.sample(state, prompts, seed=seed), reward)
@@ -71,8 +78,14 @@ class DAPO(Recipe):
         # trim to whole groups so every group keeps all n samples
         batch = batch[: (batch.batch_size[0] // self.n) * self.n] if batch.batch_size[0] >= self.n else batch
         batch = advantage(batch, "grpo")
-        mini = self.mini_batch_size if self.mini_batch_size and batch.batch_size[0] % self.mini_batch_size == 0 else None
-        kwargs = {**self.update_kwargs(), "mini_batch_size": mini, "micro_batch_size": self.micro_batch_size if mini or not self.micro_batch_size or batch.batch_size[0] % self.micro_batch_size == 0 else None}
-        state, metrics = update(state, batch, **kwargs)
-        extra = {"dapo/kept_frac": batch.batch_size[0] / max(sampled, 1), "dapo/attempts": float(attempts)}
+        # a batch short of target (attempts ran out) keeps the optimizer steps' size: whole
+        # mini-batches of it (the advantages were taken over whole groups first), or one step when
+        # it is smaller than one mini-batch. It used to train a short batch in one step, and in
+        # one forward/backward, whatever mini_batch_size and micro_batch_size said
+        rows = batch.batch_size[0]
+        if mini and rows > mini and rows % mini:
+            batch = batch[: rows // mini * mini]
+        state, metrics = update(state, batch, **{**self.update_kwargs(), "mini_batch_size": mini if mini and mini <= batch.batch_size[0] else None})
+        extra = {"dapo/kept_frac": batch.batch_size[0] / max(sampled, 1), "dapo/attempts": float(attempts),
+                 "dapo/trained_rows": float(batch.batch_size[0]), "dapo/dropped_rows": float(rows - batch.batch_size[0])}
         return state, {**rollout_metrics(first), **reward_metrics(first), **metrics, **extra}

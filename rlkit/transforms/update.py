@@ -8,7 +8,7 @@ The loss of a mini-batch is::
 
 The batch is split into ``mini_batch_size`` rows per optimizer step (default: the whole batch,
 one step) and each mini-batch into ``micro_batch_size`` rows per forward/backward (gradient
-accumulation). Every aggregation uses the *mini-batch's* token and sequence counts as
+accumulation; the last micro-batch may be shorter). Every aggregation uses the *mini-batch's* token and sequence counts as
 normalisers, so micro-batching never changes the gradient (tested). Under data parallelism the
 counts are summed over the data-parallel group, so N processes compute the same update as one.
 FSDP2 reduce-scatters the gradients after every micro-batch's backward, or only after the last
@@ -106,8 +106,9 @@ def _check_sizes(b: int, mini: int | None, micro: int | None) -> tuple[int, int]
         raise ValueError(f"mini_batch_size and micro_batch_size must be positive, got {mini} and {micro}")
     if b % mini:
         raise ValueError(f"mini_batch_size={mini} does not divide the batch of {b} rows; pick a divisor of {b} (or None for one step per batch)")
-    if mini % micro:
-        raise ValueError(f"micro_batch_size={micro} does not divide mini_batch_size={mini}; pick a divisor of {mini}")
+    # micro need not divide mini: every micro-batch's loss is normalised by the mini-batch's counts,
+    # so a shorter last micro-batch computes the same gradient (it was refused, and DAPO, whose
+    # filtered batches change size, silently ran whole mini-batches in one piece instead)
     return mini, micro
 
 
