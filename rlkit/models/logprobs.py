@@ -878,8 +878,11 @@ def _scatter(values: torch.Tensor, view: ResponseView) -> torch.Tensor:
     """``(m)`` per-response-token values -> ``(b t)`` float32, 0 elsewhere (an index copy: a
     boolean-mask scatter would read the mask's count on the host)."""
     b, t = view.shape
-    out = torch.zeros(b * t, dtype=torch.float32, device=values.device)
-    return out.index_copy(0, view.scatter_index, values.float()).view(b, t)
+    # copied into the (b t) tensor's flat view, so the result is no view itself: FSDP2 warns at every
+    # forward whose module returns a view (an in-place op on one would skip its pre-backward hook)
+    out = torch.zeros(b, t, dtype=torch.float32, device=values.device)
+    out.view(-1).index_copy_(0, view.scatter_index, values.float())
+    return out
 
 
 class LogprobModule(nn.Module):

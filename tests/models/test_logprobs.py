@@ -13,6 +13,7 @@ from rlkit.models import (
     token_logprobs,
     values_for_response,
 )
+from rlkit.models.logprobs import ValueModule
 from rlkit.models.tokenizers import char_tokenizer
 
 # rows of different prompt / response lengths, including a 1-token prompt and a 1-token response
@@ -203,6 +204,11 @@ def test_logprob_module_is_one_module_call(model, batch):
     handle.remove()
     assert calls == [1]  # response_logprobs called the wrapper itself (FSDP2's hooks fire there)
     torch.testing.assert_close(via_module, direct, rtol=0, atol=0)
+    # no view: FSDP2 warns at every forward of a sharded module whose output is one
+    logprobs, entropy = module(*_args(batch), with_entropy=True)
+    assert not logprobs._is_view() and not entropy._is_view()
+    values = ValueModule(critic(model))(*_args(batch))
+    assert not values._is_view()
 
 
 def test_bad_inputs_are_named(model, batch):
