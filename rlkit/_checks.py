@@ -66,3 +66,36 @@ def check_context(model, tokens: int, where: str, hint: str) -> None:
     if limit is not None and tokens > limit:
         raise ValueError(f"{where} needs {tokens} positions, over the model's context of {limit} tokens "
                          f"(max_position_embeddings); {hint}")
+
+
+def input_vocab(model) -> int | None:
+    """Rows of the model's input embedding (a wrapper's ``.model`` looked through), or None."""
+    for m in (model, getattr(model, "model", None)):
+        get = getattr(m, "get_input_embeddings", None)
+        if callable(get):
+            rows = getattr(get(), "num_embeddings", None)
+            if rows is not None:
+                return int(rows)
+    return None
+
+
+def check_token_ids(batch, model, where: str) -> None:
+    """Raise ``ValueError`` naming the field, row and id when a batch's ``prompt_ids`` or
+    ``response_ids`` fall outside the model's vocabulary. Only for host tensors (reading a device
+    tensor's range would wait for the device): there the embedding lookup failed later with an
+    ``index out of bounds`` that named neither, and on a GPU it is a device-side assert that ends
+    the process's CUDA context."""
+    vocab = input_vocab(model)
+    if vocab is None:
+        return
+    for key in ("prompt_ids", "response_ids"):
+        ids = batch[key]
+        if ids.device.type != "cpu" or ids.numel() == 0:
+            continue
+        lo, hi = ids.aminmax()
+        if lo < 0 or hi >= vocab:
+            row, col = (((ids < 0) | (ids >= vocab)).nonzero()[0]).tolist()
+            raise ValueError(
+                f"{where}: batch[{key!r}] holds token id {int(ids[row, col])} (row {row}), outside the model's vocabulary "
+                f"[0, {vocab}); were these ids made by another tokenizer than the model's? (rk.models.tiny(tokenizer) "
+                "sizes the vocabulary to its tokenizer; a loaded model needs the tokenizer saved with it)")

@@ -248,3 +248,23 @@ def test_fit_hands_back_its_state_and_history_when_stopped(task, state):
     assert info.value.state.step == 4 and len(info.value.history) == 1
     state, history = rk.fit(info.value.state, recipe, task.reward, task.train, steps=5, batch_size=2)
     assert state.step == 5 and len(history) == 1  # the kept state trains on
+
+
+def test_token_ids_outside_the_vocabulary_are_named_before_the_forward(state):
+    """Ids from another tokenizer used to fail inside the embedding with 'index 60 is out of
+    bounds', naming neither the field nor the cause (on a GPU: a device-side assert)."""
+    import torch
+
+    from rlkit.batch import make_batch
+
+    vocab = state.actor.get_input_embeddings().num_embeddings
+    batch = make_batch([[3, 4], [5]], [[5, 6], [7, vocab + 3]], group=[0, 0], rewards=[1.0, 0.0])
+    batch.set("advantages", batch["response_mask"].float())
+    batch.set("logprobs", torch.zeros(batch["response_mask"].shape))
+    with pytest.raises(ValueError, match=rf"update: batch\['response_ids'\] holds token id {vocab + 3} \(row 1\), outside the model's vocabulary \[0, {vocab}\)"):
+        rk.update(state, batch)
+    with pytest.raises(ValueError, match=r"log-probs: batch\['response_ids'\] holds token id"):
+        rk.compute_old_logprobs(state, batch)
+    batch.set("prompt_ids", torch.where(batch["prompt_mask"], batch["prompt_ids"], -1))  # a pad id of -1
+    with pytest.raises(ValueError, match=r"update: batch\['prompt_ids'\] holds token id -1 \(row 1\)"):
+        rk.update(state, batch)

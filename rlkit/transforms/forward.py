@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from rlkit._checks import check_token_ids
 from rlkit.batch import Batch, shallow_copy, validate
 
 
@@ -68,6 +69,7 @@ def model_logprobs(model, batch: Batch, *, temperature: float = 1.0, micro_batch
     from rlkit.models.logprobs import response_logprobs
 
     validate(batch, require=("prompt_ids", "prompt_mask", "response_ids", "response_mask"))
+    check_token_ids(batch, model, "log-probs")
     device = module_device(model)
     was_training = model.training
     model.eval()
@@ -114,6 +116,7 @@ def compute_values(state, batch: Batch, *, micro_batch_size: int | None = None) 
     if state.critic is None:
         raise ValueError("state has no critic; create it with rk.init(model, critic=rk.models.critic(model))")
     validate(batch, require=("prompt_ids", "response_ids"))
+    check_token_ids(batch, state.critic, "compute_values")
     critic = state._cache.get("critic_module", state.critic)
     device = module_device(critic)
     was_training = critic.training

@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from rlkit._checks import int_at_least, positive_finite_or_none
+from rlkit._checks import check_token_ids, int_at_least, positive_finite_or_none
 from rlkit.algos.kl import kl_penalty
 from rlkit.algos.losses import POLICY_LOSSES, aggregate, value_loss
 from rlkit.batch import Batch, BatchError, validate
@@ -165,6 +165,7 @@ def update(
         raise TypeError(f"update expects a TrainState first (from rk.init), got {type(state).__name__}")
     state._check()
     validate(batch, require=("prompt_ids", "prompt_mask", "response_ids", "response_mask", "advantages"))
+    check_token_ids(batch, state.actor, "update")
     keys = set(batch.keys())
     old_key = "old_logprobs" if "old_logprobs" in keys else "logprobs"
     if old not in ("batch", "current"):
