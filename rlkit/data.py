@@ -212,7 +212,8 @@ def load_prompts(
 
 
 def as_prompts(prompts: Any, tokenizer) -> Prompts:
-    """Accept a Prompts value, a list of strings, or a list of dicts for ``rollout``."""
+    """Accept a Prompts value, a string, a list of strings or dicts, or a dict (one row, or
+    columns of equal length) for ``rollout``: what :func:`load_prompts` reads."""
     if isinstance(prompts, Prompts):
         return prompts
     if isinstance(prompts, PromptSet):  # every prompt of the set
@@ -221,5 +222,6 @@ def as_prompts(prompts: Any, tokenizer) -> Prompts:
         prompts = [prompts]
     if tokenizer is None:
         raise DataError("rollout got text prompts but the state has no tokenizer; pass tokenizer= to rk.init")
-    s = load_prompts(list(prompts), tokenizer)
+    # a dict (one row, or columns) as load_prompts reads it: list() of it was its keys, sampled as prompts
+    s = load_prompts(prompts if isinstance(prompts, Mapping) else list(prompts), tokenizer)
     return Prompts(s.text, s.ids, s.columns)

@@ -26,7 +26,9 @@ def evaluate(
     """Mean reward (= accuracy for 0/1 rewards) of ``model`` on ``prompts``; greedy by default.
 
     ``model``: a model, or a TrainState (its actor). ``prompts``: a PromptSet, a Prompts batch, or
-    anything :func:`rlkit.load_prompts` reads."""
+    anything :func:`rlkit.load_prompts` reads. ``engine``: None (the built-in
+    :class:`rlkit.engines.TorchEngine`), an engine name as :func:`rlkit.rollout` takes it ("torch",
+    "hf", "vllm"), or an Engine object."""
     from rlkit.engines.torch_engine import TorchEngine
     from rlkit.transforms.score import score
     from rlkit.transforms.rollout import batch_from_generation as from_generation
@@ -42,7 +44,20 @@ def evaluate(
     check_context(model, len(prompts.ids[longest]) + max_new_tokens,
                   f"evaluate: prompt {longest} ({len(prompts.ids[longest])} tokens) with max_new_tokens={max_new_tokens}",
                   "shorten the prompts or lower max_new_tokens")
-    eng = engine or TorchEngine.from_model(model)
+    for i, ids in enumerate(prompts.ids):  # numbered in the whole set, not in one generate call's chunk
+        if not len(ids):
+            raise DataError(f"evaluate: prompt {i} tokenized to zero tokens ({prompts.text[i]!r}); give non-empty prompts")
+    if engine is None:
+        eng = TorchEngine.from_model(model)
+    elif isinstance(engine, str):  # as rollout takes it: "torch", "hf" or "vllm"
+        from rlkit.transforms.rollout import engine_for
+
+        eng = engine_for(model, tokenizer, engine)
+    elif callable(getattr(engine, "generate", None)):
+        eng = engine
+    else:
+        raise TypeError(f"evaluate: engine must be None (the built-in engine), a name ('torch', 'hf', 'vllm') or an "
+                        f"Engine, got {type(engine).__name__}")
     params = SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=temperature,
                             stop_token_ids=(tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)

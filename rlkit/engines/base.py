@@ -16,6 +16,10 @@ import torch
 from rlkit._checks import int_at_least, is_int, is_real
 
 
+#: the smallest temperature > 0 SamplingParams takes (0 is greedy)
+MIN_TEMPERATURE = 1e-4
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample. ``temperature == 0`` means greedy decoding.
@@ -41,6 +45,10 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be an int (<= 0: no top-k filter), got {self.top_k!r}")
         if not is_real(self.temperature) or not 0 <= self.temperature < math.inf:
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            # logits / 1e-38 overflow float32: NaN log-probs and tokens that were not the argmax
+            raise ValueError(f"SamplingParams.temperature={self.temperature!r} is below {MIN_TEMPERATURE} (the logits would "
+                             "overflow when divided by it); use temperature=0 for greedy decoding")
         if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be a number in (0, 1] (1: no top-p filter), got {self.top_p!r}")
         stop = self.stop_token_ids

@@ -115,12 +115,16 @@ class HFEngine:
         if len(prompt_ids) == 0:
             raise ValueError("generate: prompt_ids is empty; pass at least one prompt")
         width = max(len(p) for p in prompt_ids)
+        vocab = self.model.get_input_embeddings().num_embeddings
         ids = torch.full((len(prompt_ids), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
         for i, prompt in enumerate(prompt_ids):
-            if not len(prompt):
+            row = list(prompt)
+            if not row:
                 raise ValueError(f"generate: prompt {i} is empty; every prompt needs at least one token")
-            ids[i, width - len(prompt) :] = torch.as_tensor(list(prompt))
+            if min(row) < 0 or max(row) >= vocab:  # as TorchEngine: the embedding's IndexError named neither
+                raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab}): {row[:10]}...")
+            ids[i, width - len(prompt) :] = torch.as_tensor(row)
             mask[i, width - len(prompt) :] = 1
         device = self.device
         # rows prompt-major (i * n + j), expanded here so greedy n > 1 works too
@@ -132,6 +136,11 @@ class HFEngine:
         saved = self.model.generation_config
         self.model.generation_config = GenerationConfig(pad_token_id=self.pad_token_id)
         devices = [device] if device.type == "cuda" else []
+        # the policy samples without dropout (the actor is in train mode after rk.init and update;
+        # generate() does not switch it): a model with dropout sampled noisy tokens whose log-probs
+        # were up to 3.4 off the trainer's
+        was_training = self.model.training
+        self.model.eval()
         try:
             with torch.random.fork_rng(devices=devices):
                 if generator is not None:
@@ -141,6 +150,7 @@ class HFEngine:
                 )
         finally:
             self.model.generation_config = saved
+            self.model.train(was_training)
 
         tokens = out.sequences[:, width:]
         logprobs = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True).float()

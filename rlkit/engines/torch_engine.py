@@ -906,7 +906,11 @@ class TorchEngine:
         """cos, sin (length d) for positions 0..length-1, from the model's rotary module."""
         if self._cos_sin is None or self._cos_sin[0].shape[0] < length:
             rotary = self.rotary.to(self.device)
-            positions = torch.arange(max(length, 256), device=self.device)[None]
+            # rounded up to 256 positions for reuse, but never past the model's context: a dynamic
+            # rotary (rope_scaling "dynamic") rescales its frequencies for a longer sequence, and
+            # every position of a model with a context under 256 got the wrong rotation
+            context = getattr(self.config, "max_position_embeddings", None) or 256
+            positions = torch.arange(max(length, min(256, context)), device=self.device)[None]
             dummy = torch.empty(0, device=self.device, dtype=self.dtype)
             cos, sin = rotary(dummy, positions)
             self._cos_sin = (cos[0], sin[0])

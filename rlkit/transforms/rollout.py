@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from rlkit._checks import context_limit
+from rlkit._checks import context_limit, is_int
 from rlkit.batch import Batch, row_tokens, set_column, shallow_copy
 from rlkit.data import Prompts, as_prompts
 from rlkit.engines.base import Engine, SamplingParams
@@ -26,7 +26,11 @@ ENGINES = ("torch", "hf", "vllm")
 
 def make_engine(state: TrainState, kind: str = "torch", **kwargs) -> Engine:
     """Build a rollout engine for the state's actor: "torch" (built-in), "hf" or "vllm"."""
-    model = state.actor
+    return engine_for(state.actor, state.tokenizer, kind, **kwargs)
+
+
+def engine_for(model, tokenizer, kind: str = "torch", **kwargs) -> Engine:
+    """Build a rollout engine of ``kind`` ("torch", "hf" or "vllm") for ``model``."""
     if kind == "torch":
         from rlkit.engines.torch_engine import TorchEngine
 
@@ -34,11 +38,11 @@ def make_engine(state: TrainState, kind: str = "torch", **kwargs) -> Engine:
     if kind == "hf":
         from rlkit.engines.hf_engine import HFEngine
 
-        return HFEngine(model, state.tokenizer, **kwargs)
+        return HFEngine(model, tokenizer, **kwargs)
     if kind == "vllm":
         from rlkit.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine.from_model(model, state.tokenizer, **kwargs)
+        return VLLMEngine.from_model(model, tokenizer, **kwargs)
     raise ValueError(f"unknown engine {kind!r}; valid: {', '.join(ENGINES)} (or pass an Engine object)")
 
 
@@ -46,7 +50,9 @@ def get_engine(state: TrainState, engine: str | Engine | None = None) -> Engine:
     if engine is not None and not isinstance(engine, str):
         return engine
     cache = state._cache
-    kind = engine or cache.get("engine_kind", "torch")
+    # None is the built-in engine, not whichever kind the last call named: a one-off
+    # rollout(engine="hf") used to become the default of every later call on the state
+    kind = engine or "torch"
     current = cache.get("engine")
     if current is None or cache.get("engine_kind") != kind:
         current = make_engine(state, kind)
@@ -105,6 +111,13 @@ def rollout(
     if stop_token_ids is None:
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         stop_token_ids = () if eos is None else (eos,)
+    elif isinstance(stop_token_ids, torch.Tensor):
+        stop_token_ids = stop_token_ids.reshape(-1).tolist()
+    elif is_int(stop_token_ids):  # one id (tokenizer.eos_token_id): tuple() of it was a TypeError
+        stop_token_ids = (stop_token_ids,)
+    if seed is not None and not (is_int(seed) and 0 <= seed < 2**63):
+        # 1.5 was truncated to 1, 2**64 overflowed inside the generator
+        raise ValueError(f"rollout: seed must be an int in [0, 2**63) or None (from state.seed and state.step), got {seed!r}")
     max_pos = context_limit(state.actor)
     longest = max(len(p) for p in prompts.ids)
     if max_pos is not None and longest + max_new_tokens > max_pos:
