@@ -98,6 +98,11 @@ def rollout(
     ``seed`` defaults to ``fold_in(state.seed, state.step)``: the same state samples the same
     responses, and a resumed run samples what the uninterrupted run would. Pass a different
     seed (``rk.fold_in(state.seed, state.step, attempt)``) to resample within one step.
+
+    ``engine``: None (the built-in :class:`rlkit.engines.TorchEngine`), a name ("torch", "hf",
+    "vllm") or an Engine object. A named engine is built once and kept with the state while calls
+    keep naming it; ``stop_token_ids``: ids (a list, a tensor or one int) that end a response,
+    by default the tokenizer's EOS.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"rollout expects a TrainState first (from rk.init), got {type(state).__name__}")
