@@ -256,7 +256,8 @@ class Plan:
         spec = state.optimizer_spec
         optimizer, scheduler = spec.build(actor.parameters())
         if state.critic is not None:
-            critic_opt, critic_sched = spec.build(state.critic.parameters())
+            # the critic's own spec (init's critic_optimizer): it was rebuilt with the actor's
+            critic_opt, critic_sched = (state.critic_optimizer_spec or spec).build(state.critic.parameters())
         else:
             critic_sched = None
         return state.replace(optimizer=optimizer, scheduler=scheduler, critic_optimizer=critic_opt,

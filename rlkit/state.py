@@ -79,6 +79,7 @@ class TrainState:
     data_position: int = 0
     extras: Mapping[str, Any] = field(default_factory=dict)
     optimizer_spec: OptimizerSpec | None = None
+    critic_optimizer_spec: OptimizerSpec | None = None  # init's critic_optimizer (else optimizer_spec)
     # caches that follow the state through replace() but are not part of its value:
     # the rollout engine (KV-cache buffers), the data-parallel context set by lowering.
     _cache: dict = field(default_factory=dict, repr=False)
@@ -105,6 +106,11 @@ class TrainState:
     def replace(self, **changes) -> "TrainState":
         """A new state with ``changes`` (Flax-style); caches follow, donation does not.
 
+        A new ``actor`` (or ``critic``) without ``optimizer=`` (``critic_optimizer=``) gets a fresh
+        AdamW from the state's spec, its moments at zero and its LR schedule continued where the
+        old one was: the old optimizer steps the old model's parameters. A ``ref`` that is the
+        actor is refused, as :func:`init` refuses it.
+
         Caches built from a model (or the tokenizer) that ``changes`` replaces do not follow
         (:data:`_DERIVED`): the next rollout builds its engine from the new actor. A lowered
         state refuses a new model: its sharded wrappers cannot be rebuilt here."""
@@ -115,7 +121,10 @@ class TrainState:
         values = {f.name: object.__getattribute__(self, f.name) for f in fields(self) if f.name != "_donation"}
         if "_cache" not in changes:  # a caller passing _cache (lowering) says what it holds
             values["_cache"] = _cache_after(values["_cache"], [k for k in _DERIVED if k in changes and changes[k] is not values[k]])
+        new = {k for k in ("actor", "critic", "ref") if k in changes and changes[k] is not values[k]}
         values.update(changes)
+        if new:
+            _optimizers_follow(values, new, changes)
         return TrainState(**values)
 
     def donate(self, by: str) -> None:
@@ -136,6 +145,47 @@ class TrainState:
     def rng(self, *path: int | str, device: torch.device | str | None = None) -> torch.Generator:
         """A fresh generator keyed by ``(seed, step, *path)``: deterministic and resumable."""
         return generator(fold_in(self.seed, self.step, *path), device=device or self.device)
+
+
+def _holds(optimizer, module) -> bool:
+    """Whether ``optimizer`` steps parameters of ``module`` (every one it holds is the module's)."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return bool(held) and held <= {id(p) for p in module.parameters()}
+
+
+def _optimizers_follow(values: dict, new: set[str], changes: dict) -> None:
+    """Keep :meth:`TrainState.replace` from making a state that trains nothing or compares the
+    actor with itself. The optimizers stayed bound to the replaced models' parameters: a new actor
+    or critic reported gradient norms and never changed (``values`` is updated in place)."""
+    actor, ref = values["actor"], values["ref"]
+    if ref is not None and (ref is actor or not {id(p) for p in ref.parameters()}.isdisjoint(id(p) for p in actor.parameters())):
+        raise ValueError("TrainState.replace: ref is the actor itself (or shares its parameters); the KL to it would stay 0 "
+                         "and freezing it would freeze the actor. Pass a frozen copy (copy.deepcopy(actor)) or ref=None")
+    for model_key, opt_key, sched_key, spec_key in (("actor", "optimizer", "scheduler", "optimizer_spec"),
+                                                    ("critic", "critic_optimizer", "critic_scheduler", "critic_optimizer_spec")):
+        model, optimizer = values[model_key], values[opt_key]
+        if model_key not in new or opt_key in changes or model is None or (optimizer is not None and _holds(optimizer, model)):
+            continue
+        spec = values[spec_key] or (values["optimizer_spec"] if model_key == "critic" else None)
+        if spec is None:
+            continue  # refused below, naming what to pass
+        # a fresh AdamW from the state's spec (moments belong to parameters: the old ones are the
+        # replaced model's), its schedule continued where the old one was
+        old_scheduler = values[sched_key]
+        values[opt_key], values[sched_key] = spec.build(model.parameters())
+        done = getattr(old_scheduler, "last_epoch", 0)
+        if done:
+            values[sched_key].last_epoch = done
+            for group, base in zip(values[opt_key].param_groups, values[sched_key].base_lrs):
+                group["lr"] = base * spec.lr_factor(done)
+    for model_key, opt_key in (("actor", "optimizer"), ("critic", "critic_optimizer")):
+        model, optimizer = values[model_key], values[opt_key]
+        if model is not None and (model_key in new or opt_key in changes) and (optimizer is None or not _holds(optimizer, model)):
+            raise ValueError(
+                f"TrainState.replace: {opt_key} does not hold the parameters of the {model_key} (it was built for the "
+                f"replaced one, so the new {model_key} would never train); pass {opt_key}= and "
+                f"{opt_key.replace('optimizer', 'scheduler')}= built for it (spec.build({model_key}.parameters())), "
+                "or start over with rk.init")
 
 
 def _cache_after(cache: dict, changed: list[str]) -> dict:
@@ -246,6 +296,7 @@ def init(
         critic_scheduler=c_sched,
         seed=seed,
         optimizer_spec=spec,
+        critic_optimizer_spec=(critic_optimizer or spec) if critic is not None else None,
     )
 
 

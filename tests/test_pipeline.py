@@ -29,6 +29,11 @@ def _spec():
     return rk.optim.adamw(lr=1e-2, eps=1.0, weight_decay=0.0)
 
 
+def _critic_spec():
+    # the critic's own learning rate: lowering rebuilt the critic's optimizer from the actor's spec
+    return rk.optim.adamw(lr=3e-2, eps=1.0, weight_decay=0.0)
+
+
 def _batch(model, task, with_critic_fields=False):
     """A fixed global batch: 8 rows (2 groups of 4) with uneven response lengths."""
     from rlkit.batch import make_batch
@@ -75,7 +80,7 @@ def _update_worker(with_critic: bool, divergent_keep: bool = False):
         model = _model(task)
         critic = rk.models.critic(model) if with_critic else None
         batch = _batch(model, task, with_critic)
-        state = rk.init(model, _spec(), tokenizer=task.tokenizer, critic=critic, ref="copy")
+        state = rk.init(model, _spec(), tokenizer=task.tokenizer, critic=critic, ref="copy", critic_optimizer=_critic_spec())
         plan = rk.Pipeline(rk.recipes.get("grpo"), reward=task.reward).lower()
         state = plan.shard(state)
         state, metrics = rk.update(state, batch, kl=("low_var_kl", 0.1), micro_batch_size=2)
@@ -103,7 +108,7 @@ def test_update_on_two_processes_equals_one(with_critic, divergent_keep):
     model = _model(task)
     critic = rk.models.critic(model) if with_critic else None
     batch = _batch(model, task, with_critic)
-    state = rk.init(model, _spec(), tokenizer=task.tokenizer, critic=critic, ref="copy")
+    state = rk.init(model, _spec(), tokenizer=task.tokenizer, critic=critic, ref="copy", critic_optimizer=_critic_spec())
     state, metrics = rk.update(state, batch, kl=("low_var_kl", 0.1), micro_batch_size=4)
     got = _strip(results[0]["actor"], "model.")
     assert got, results[0]["actor"].keys()

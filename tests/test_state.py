@@ -117,3 +117,43 @@ def test_init_names_the_bad_argument(tiny_model, char_tok):
         rk.init(rk.init(tiny_model, opt, tokenizer=char_tok), opt)
     with pytest.raises(TypeError, match=r"tokenizer must be a tokenizer object.*'gpt2'.*AutoTokenizer\.from_pretrained"):
         rk.init(tiny_model, opt, tokenizer="gpt2")
+
+
+def _moved(model, before) -> float:
+    return max(float((p.detach() - before[k]).abs().max()) for k, p in model.named_parameters())
+
+
+def test_a_replaced_actor_or_critic_trains(char_tok):
+    """The optimizers stayed bound to the replaced models' parameters: a swapped-in actor and
+    critic reported gradient norms and never changed. Now they get fresh AdamWs from the specs
+    (the critic's own), with the LR schedule continued."""
+    tiny = lambda seed: rk.models.tiny(char_tok, hidden_size=32, intermediate_size=64, num_hidden_layers=1, seed=seed)  # noqa: E731
+    a = tiny(0)
+    spec = rk.optim.adamw(lr=1e-2, warmup_steps=4)
+    state = rk.init(a, spec, tokenizer=char_tok, critic=rk.models.critic(a), critic_optimizer=rk.optim.adamw(lr=3e-2))
+    batch = rk.rollout(state, ["1+2=", "3+4="], n=2, max_new_tokens=3)
+    batch.set("advantages", batch["response_mask"].float())
+    batch.set("values", torch.zeros(batch["response_mask"].shape))
+    batch.set("returns", batch["response_mask"].float())
+    state, _ = rk.update(state, batch)
+    b = tiny(1)
+    cb = rk.models.critic(b)
+    swapped = state.replace(actor=b, critic=cb)
+    assert swapped.lr == pytest.approx(1e-2 * 2 / 4)  # the warm-up continues: one step done, the next is the second
+    assert swapped.critic_optimizer.param_groups[0]["lr"] == pytest.approx(3e-2)
+    before_b = {k: v.detach().clone() for k, v in b.named_parameters()}
+    before_cb = {k: v.detach().clone() for k, v in cb.named_parameters()}
+    rk.update(swapped, batch)
+    assert _moved(b, before_b) > 1e-4 and _moved(cb, before_cb) > 1e-4
+
+
+def test_replace_refuses_what_would_not_train(tiny_model, char_tok):
+    state = rk.init(tiny_model, rk.optim.adamw(lr=1e-3), tokenizer=char_tok)
+    other = rk.models.tiny(char_tok, hidden_size=32, intermediate_size=64, num_hidden_layers=1, seed=1)
+    with pytest.raises(ValueError, match="optimizer does not hold the parameters of the actor.*pass optimizer= and scheduler="):
+        state.replace(actor=other, optimizer=state.optimizer)
+    with pytest.raises(ValueError, match="ref is the actor itself.*copy.deepcopy"):
+        state.replace(ref=state.actor)  # the KL to it stayed 0: rk.init refuses it
+    no_spec = state.replace(optimizer_spec=None)
+    with pytest.raises(ValueError, match="optimizer does not hold the parameters of the actor"):
+        no_spec.replace(actor=other)
