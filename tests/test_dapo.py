@@ -81,3 +81,13 @@ def test_batch_smaller_than_a_mini_batch_takes_one_step():
 def test_mini_batch_must_divide_the_full_batch():
     with pytest.raises(ValueError, match=r"DAPO.mini_batch_size=7 does not divide the batch of 6 prompts x n=4 = 24 rows"):
         _short_batch_run(n_flat=1, n_prompts=6, mini=7)
+
+
+def test_zero_variance_groups_are_counted_exactly():
+    """Identical rewards of 0.7 or 3.3 were counted as varied (E[x^2] - E[x]^2 in float32 > 1e-12)."""
+    from rlkit.recipes.base import reward_metrics
+
+    values = [0.7, 3.3, 123.4, 0.0]
+    rewards = [v for v in values for _ in range(8)] + [1.0] * 7 + [1.5]  # four flat groups, one varied
+    batch = make_batch([[3]] * 40, [[4]] * 40, group=[i // 8 for i in range(40)], rewards=rewards)
+    assert reward_metrics(batch)["reward/zero_var_groups"] == pytest.approx(4 / 5)

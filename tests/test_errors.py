@@ -268,3 +268,15 @@ def test_token_ids_outside_the_vocabulary_are_named_before_the_forward(state):
     batch.set("prompt_ids", torch.where(batch["prompt_mask"], batch["prompt_ids"], -1))  # a pad id of -1
     with pytest.raises(ValueError, match=r"update: batch\['prompt_ids'\] holds token id -1 \(row 1\)"):
         rk.update(state, batch)
+
+
+def test_ppo_knobs_are_checked_when_the_recipe_is_built():
+    for changes, match in (({"gamma": 2.0}, r"PPO.gamma must be a number in \[0, 1\], got 2.0"),
+                           ({"lam": float("nan")}, r"PPO.lam must be a number in \[0, 1\], got nan"),
+                           ({"gamma": "1"}, r"PPO.gamma must be a number in \[0, 1\], got '1'"),
+                           ({"value_clip": -1.0}, r"PPO.value_clip must be a finite number > 0, or None \(no value clipping\), got -1.0")):
+        with pytest.raises(ValueError, match=match):
+            rk.recipes.get("ppo", **changes)
+        with pytest.raises(ValueError, match=match):
+            rk.recipes.get("ppo").with_(**changes)
+    assert rk.recipes.get("ppo", value_clip=None).value_clip is None

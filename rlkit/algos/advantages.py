@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from rlkit._checks import is_real
 from rlkit.algos.registry import Registry
 from rlkit.algos.stats import masked_whiten
 
@@ -171,6 +172,10 @@ def gae(
     """
     _require("values", values, "gae", "run the critic first (batch field 'values')")
     _check_tokens(token_rewards, response_mask, values=values)
+    for name, x in (("gamma", gamma), ("lam", lam)):
+        # gamma=2 made returns blow up, lam=nan every advantage NaN: both were accepted
+        if not is_real(x) or not 0 <= x <= 1:
+            raise ValueError(f"gae: {name} must be a number in [0, 1], got {x!r}")
     mask = response_mask.bool()
     rewards = torch.where(mask, token_rewards, 0.0)
     vals = torch.where(mask, values, 0.0).to(token_rewards.dtype)
@@ -186,6 +191,10 @@ def gae(
         next_adv = torch.where(mask[:, i], candidate, next_adv)
         adv[:, i] = next_adv
     returns = torch.where(mask, adv + vals, 0.0)
+    if int(mask.sum()) < 2:
+        # one valid token has no variance to whiten by (masked_var refuses it): its whitened
+        # advantage, x - mean, is 0 (a batch of one single-token response crashed PPO)
+        return torch.zeros_like(adv), returns
     advantages = torch.where(mask, masked_whiten(adv, mask), 0.0)
     return advantages, returns
 

@@ -547,7 +547,7 @@ def value_loss(
     returns: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    cliprange_value: float = 0.5,
+    cliprange_value: float | None = 0.5,
     agg: str | Callable = "token-mean",
     num_tokens: Number | None = None,
     num_seqs: Number | None = None,
@@ -564,13 +564,16 @@ def value_loss(
         v_clip = clamp(v, v_old - c, v_old + c)
         L      = 0.5 * agg(max((v - R)^2, (v_clip - R)^2))
 
-    ``cliprange_value = 0.5`` is verl's critic default. Metrics:
+    ``cliprange_value = 0.5`` is verl's critic default; None: no clipping. Metrics:
     ``vf_clipfrac = mean[(v_clip - R)^2 > (v - R)^2]`` over valid tokens.
     """
     for name, value in (("old_values", old_values), ("returns", returns), ("response_mask", response_mask)):
         if not isinstance(value, torch.Tensor) or value.shape != values.shape:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"{name} has shape {shape} but values has shape {tuple(values.shape)}; all must be (b t)")
+    if cliprange_value is None:  # no clipping: the plain squared error
+        loss = 0.5 * aggregate((values - returns) ** 2, response_mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
+        return loss, {"vf_clipfrac": torch.zeros((), device=values.device)}
     clipped_values = torch.maximum(torch.minimum(values, old_values + cliprange_value), old_values - cliprange_value)
     loss1 = (values - returns) ** 2
     loss2 = (clipped_values - returns) ** 2

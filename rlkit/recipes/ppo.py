@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlkit._checks import is_real, positive_finite_or_none
 from rlkit.recipes.base import Recipe, reward_metrics
 from rlkit.transforms.advantage import advantage
 from rlkit.transforms.forward import compute_values
@@ -21,7 +22,17 @@ class PPO(Recipe):
     n: int = 4
     gamma: float = 1.0
     lam: float = 0.95
-    value_clip: float = 0.5
+    value_clip: float | None = 0.5  # None: no clipping of the value loss
+
+    def __post_init__(self):
+        super().__post_init__()
+        # checked when the recipe is built, as the other knobs are: gamma=2, lam=nan or
+        # value_clip=-1 were accepted and trained on nonsense (value_clip=None failed at the update)
+        for name in ("gamma", "lam"):
+            value = getattr(self, name)
+            if not is_real(value) or not 0 <= value <= 1:
+                raise ValueError(f"PPO.{name} must be a number in [0, 1], got {value!r}")
+        positive_finite_or_none(self.value_clip, "PPO.value_clip", "no value clipping")
 
     def needs_critic(self) -> bool:
         return True

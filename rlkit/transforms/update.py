@@ -127,7 +127,7 @@ def update(
     epochs: int = 1,
     shuffle: bool = False,
     max_grad_norm: float | None = 1.0,
-    value_clip: float = 0.5,
+    value_clip: float | None = 0.5,
     critic_coef: float = 1.0,
     max_nonfinite_steps: int = 3,
     max_logprob_gap: float | None = 0.5,
@@ -183,6 +183,7 @@ def update(
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     positive_finite_or_none(max_grad_norm, "max_grad_norm", "no clipping")
+    positive_finite_or_none(value_clip, "value_clip", "no value clipping")  # -1 clipped the critic's targets into nonsense
     loss_fn, loss_kw, wants_generator, loss_accepts = _resolve_loss(loss, loss_kw)
     kl_mode, kl_coef = _resolve_kl(kl)
     if kl_coef and "ref_logprobs" not in keys:
@@ -243,6 +244,7 @@ def update(
             weights[name] = weights.get(name, 0.0) + weight
 
     skipped = 0
+    lr_used = None
     streak = int(state.extras.get("nonfinite_streak", 0))
     gap_abs = gap_max = None
     steps_done = 0
@@ -331,6 +333,7 @@ def update(
                     # make every later one of the update look non-finite and skip its step
                     finite = bool(torch.isfinite(torch.as_tensor(grad_norm)) & torch.isfinite(torch.as_tensor(mini_loss)))
                     if finite:
+                        lr_used = optimizer.param_groups[0]["lr"]  # the scheduler moves it on below
                         optimizer.step()
                         state.scheduler.step()
                         streak = 0
@@ -386,7 +389,9 @@ def update(
             "matches rollout(temperature=...))",
             RuntimeWarning, stacklevel=2,
         )
-    metrics["actor/lr"] = state.lr
+    # the rate the (last) optimizer step of this update used; it reported the next step's, and at a
+    # schedule's end a rate never applied
+    metrics["actor/lr"] = lr_used if lr_used is not None else state.lr
     metrics["actor/skipped_steps"] = float(skipped)
     metrics["step"] = float(state.step + 1)
     if split is not None:

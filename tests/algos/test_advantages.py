@@ -285,6 +285,19 @@ def test_gae_hand():
     assert adv[0].tolist() == pytest.approx([-w, w, 0.0], abs=5e-8)
 
 
+def test_gae_one_valid_token_and_bad_hyperparameters():
+    """A batch whose only valid token is one (PPO, n=1, one new token) crashed in masked_var;
+    gamma=2 or lam=nan were accepted."""
+    r = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    m = torch.tensor([[True, False]])
+    adv, ret = call("gae", token_rewards=r, response_mask=m, values=torch.tensor([[0.25, 0.0]], dtype=torch.float64))
+    assert adv.tolist() == [[0.0, 0.0]]  # x - mean over one token
+    assert ret.tolist() == [[1.0, 0.0]]
+    for name, bad in (("gamma", 2.0), ("gamma", -0.1), ("lam", float("nan")), ("lam", "1")):
+        with pytest.raises(ValueError, match=rf"gae: {name} must be a number in \[0, 1\], got {bad!r}"):
+            call("gae", token_rewards=r, response_mask=m, values=r, **{name: bad})
+
+
 def test_reinforce_pp_returns_hand():
     r = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 2.0, 0.0, 0.0]], dtype=torch.float64)
     m = torch.tensor([[True, True, True, False], [True, True, False, False]])

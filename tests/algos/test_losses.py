@@ -436,6 +436,14 @@ def test_value_loss_hand_values():
     assert metrics["vf_clipfrac"].item() == pytest.approx(0.5)
 
 
+def test_value_loss_without_clipping():
+    # cliprange_value=None (PPO(value_clip=None)) failed with "Tensor + NoneType"
+    values, old, returns = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 5.0]]), torch.tensor([[0.0, 2.0]])
+    loss, metrics = value_loss(values, old, returns, torch.ones(1, 2, dtype=torch.bool), cliprange_value=None)
+    assert loss.item() == pytest.approx(0.5 * (1.0 + 4.0) / 2)
+    assert metrics["vf_clipfrac"].item() == 0.0
+
+
 def test_value_loss_against_reference(gen, make_mask):
     for agg in MODES:
         v = torch.randn(6, 7, generator=gen, dtype=F64)
