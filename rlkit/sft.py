@@ -18,11 +18,46 @@ from rlkit.observe.sinks import CallbackSink, broadcast
 from rlkit.optim import adamw
 
 
-def _encode(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
-    """``(prompt ids, completion ids + EOS)``, no special tokens added."""
+def _encode(tokenizer, prompt: str, completion: str, where: str = "sft_batch") -> tuple[list[int], list[int]]:
+    """``(prompt ids, completion ids + EOS)``, no special tokens added; refused when either text has
+    characters the tokenizer encodes as its unknown token (:func:`_check_known`)."""
     eos = tokenizer.eos_token_id
-    target = tokenizer(completion, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
-    return tokenizer(prompt, add_special_tokens=False)["input_ids"], target
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    _check_known(tokenizer, prompt, prompt_ids, f"{where}'s prompt")
+    _check_known(tokenizer, completion, completion_ids, f"{where}'s completion")
+    return prompt_ids, completion_ids + ([eos] if eos is not None else [])
+
+
+def _check_known(tokenizer, text: str, ids: list[int], where: str) -> None:
+    """Raise ``ValueError`` naming the characters of ``text`` that ``tokenizer`` encodes (``ids``)
+    as its unknown token.
+
+    A byte-level BPE tokenizer never makes one; rlkit's :func:`~rlkit.models.tokenizers.char_tokenizer`
+    makes one for every character outside its alphabet ("46 ✓", "2×3="). Training on it is silent
+    damage: all unknown characters look alike to the model, and decoding drops the token, so a model
+    taught to emit it emits text that no reward sees. Where the unknown token is also EOS, BOS or pad
+    (GPT-2's ``"<|endoftext|>"``), that token written out in ``text`` is not counted."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or unk not in ids:
+        return
+    literal = getattr(tokenizer, "unk_token", None)
+    shared = unk in {getattr(tokenizer, name, None) for name in ("eos_token_id", "bos_token_id", "pad_token_id")}
+    if shared and literal and ids.count(unk) <= text.count(literal):
+        return  # GPT-2's "<|endoftext|>" is its unk, eos and bos: written out in the text, it is that special token
+    if getattr(tokenizer, "is_fast", False):
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        pieces = [text[a:b] for i, (a, b) in zip(encoding["input_ids"], encoding["offset_mapping"]) if i == unk]
+    else:  # no offsets: the characters that alone encode to the unknown token
+        pieces = [c for c in text if unk in tokenizer(c, add_special_tokens=False)["input_ids"]]
+    pieces = list(dict.fromkeys(p for p in pieces if p and not (shared and p == literal)))
+    raise ValueError(
+        f"{where} {text!r:.80} has characters the tokenizer does not know: {pieces if pieces else '(not located)'} "
+        f"(each is encoded as its unknown token {literal!r}, id {unk}: the model cannot tell them apart, and decoding "
+        f"drops it, so a model taught to emit it writes text no reward sees); add them to the tokenizer's vocabulary "
+        + (f"(for rlkit's character tokenizer: char_tokenizer(alphabet + {''.join(pieces)!r})) " if pieces else "")
+        + "or remove them from the data"
+    )
 
 
 def _batch_of(tokenizer, encoded: Sequence[tuple[list[int], list[int]]]):
@@ -31,13 +66,13 @@ def _batch_of(tokenizer, encoded: Sequence[tuple[list[int], list[int]]]):
 
 def sft_batch(tokenizer, pairs: Sequence[tuple[str, str]]):
     """A Batch of (prompt, completion) pairs: the completion (with EOS) is the response."""
-    return _batch_of(tokenizer, [_encode(tokenizer, p, t) for p, t in pairs])
+    return _batch_of(tokenizer, [_encode(tokenizer, p, t, f"sft_batch: pair {n}") for n, (p, t) in enumerate(pairs)])
 
 
 def warmup(
     model: torch.nn.Module,
     tokenizer,
-    examples: Sequence[tuple[str, str]],
+    examples: Iterable[tuple[str, str]],
     *,
     steps: int = 200,
     batch_size: int = 64,
@@ -49,6 +84,11 @@ def warmup(
 ) -> list[dict]:
     """Train ``model`` in place on (prompt, completion) pairs; returns per-step metrics.
 
+    ``examples`` is a list or any iterable (a generator is read once, up front). An example with
+    characters the tokenizer encodes as its unknown token (rlkit's character tokenizer does for
+    any character outside its alphabet) is refused with a ``ValueError`` naming them, when it is
+    first drawn. ``sft/lr`` is the learning rate the step trained with.
+
     ``sinks`` (as :func:`rlkit.fit`'s: a progress bar, a notebook dashboard, a JSONL file) and
     ``on_step`` get ``(steps done, metrics)`` after every step, so the last call says ``steps``::
 
@@ -59,6 +99,13 @@ def warmup(
     tokenizer = tokenizer_of(tokenizer, "warmup")
     int_at_least(steps, "warmup: steps", 0)
     int_at_least(batch_size, "warmup: batch_size", 1)
+    if examples is not None and not isinstance(examples, abc.Sequence):
+        # a generator or any other iterable: read once, here, since examples are drawn by index
+        try:
+            examples = list(examples)
+        except TypeError:
+            raise TypeError(f"warmup: examples must be a list (or any iterable) of (prompt, completion) pairs of strings, "
+                            f"got {type(examples).__name__} {examples!r:.80}") from None
     if not examples:
         raise ValueError("warmup got no examples")
     for n, example in enumerate(examples):
@@ -94,9 +141,10 @@ def warmup(
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            lr_used = optimizer.param_groups[0]["lr"]  # the rate this step uses, not the next step's
             optimizer.step()
             scheduler.step()
-            metrics = {"sft/loss": float(loss.detach()), "sft/lr": scheduler.get_last_lr()[0]}
+            metrics = {"sft/loss": float(loss.detach()), "sft/lr": lr_used}
             history.append(metrics)
             broadcast(sinks, step + 1, metrics)
     finally:
@@ -105,9 +153,10 @@ def warmup(
 
 
 def _encode_checked(model, tokenizer, example: tuple[str, str], i: int) -> tuple[list[int], list[int]]:
-    """:func:`_encode` of example ``i``, refused when its prompt has no token or the pair
-    exceeds the model's context (which rollouts refuse too)."""
-    prompt, target = _encode(tokenizer, *example)
+    """:func:`_encode` of example ``i``, refused when its prompt has no token, either text has
+    characters the tokenizer does not know, or the pair exceeds the model's context (which rollouts
+    refuse too)."""
+    prompt, target = _encode(tokenizer, *example, f"warmup: example {i}")
     if not prompt:
         raise ValueError(f"warmup: example {i}'s prompt {example[0]!r} tokenizes to no tokens; "
                          "every example needs a non-empty prompt")

@@ -164,3 +164,69 @@ def test_warmup_and_evaluate_check_model_tokenizer_and_context():
     model.train()
     warmup(model, task.tokenizer, task.sft_examples, steps=1, batch_size=2)
     assert model.training  # the caller's mode is kept, as evaluate keeps it
+
+
+def test_warmup_refuses_characters_the_tokenizer_encodes_as_unknown():
+    """``("12+34=", "46 ✓")`` with the character tokenizer trained on ``<unk>`` in silence: decoding
+    drops it, so the model learned to emit a token that rewards never see."""
+    task = rk.tasks.arithmetic(n_train=8, n_test=2)
+    tok, model = task.tokenizer, _model(task)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="warmup: example 0's completion '46 ✓' has characters the tokenizer does not know: "
+                                         "\\['✓'\\] .*char_tokenizer\\(alphabet \\+ '✓'\\)\\) or remove them from the data"):
+        warmup(model, tok, [("12+34=", "46 ✓")], steps=2, batch_size=2)
+    with pytest.raises(ValueError, match="warmup: example 0's prompt '2×3=' has characters the tokenizer does not know: \\['×'\\]"):
+        warmup(model, tok, [("2×3=", "6")], steps=2, batch_size=2)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # refused before any step
+    with pytest.raises(ValueError, match="sft_batch: pair 1's completion 'six' has characters .*\\['s', 'i', 'x'\\]"):
+        sft_batch(tok, [("1+1=", "2"), ("3+3=", "six")])
+    # "<unk>" written out is that token too, and refused; where the unknown token is also EOS (GPT-2's
+    # "<|endoftext|>"), writing it out is that special token, not an unknown character
+    with pytest.raises(ValueError, match="sft_batch: pair 0's completion '4<unk>' .*\\['<unk>'\\]"):
+        sft_batch(tok, [("1+3=", "4<unk>")])
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(["<pad>", "<eos>", *"0123456789+="])}, unk_token="<eos>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    shared = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<eos>")
+    batch = sft_batch(shared, [("1+1=", "2<eos>")])
+    assert batch["response_ids"][0][batch["response_mask"][0]].tolist() == shared.encode("2") + [shared.eos_token_id] * 2
+    with pytest.raises(ValueError, match="completion '2×' has characters the tokenizer does not know: \\['×'\\]"):
+        sft_batch(shared, [("1+1=", "2×")])
+
+
+def test_warmup_accepts_a_generator_of_examples():
+    """A generator was consumed by the validation pass, then failed with ``object of type
+    'generator' has no len()``."""
+    task = rk.tasks.arithmetic(n_train=16, n_test=2)
+    from_list = warmup(_model(task), task.tokenizer, task.sft_examples, steps=3, batch_size=4, seed=1)
+    from_generator = warmup(_model(task), task.tokenizer, (pair for pair in task.sft_examples), steps=3, batch_size=4, seed=1)
+    assert from_generator == from_list
+    with pytest.raises(ValueError, match="warmup got no examples"):
+        warmup(_model(task), task.tokenizer, iter(()), steps=1)
+    with pytest.raises(TypeError, match="warmup: examples must be a list \\(or any iterable\\) of \\(prompt, completion\\) pairs.*got int 3"):
+        warmup(_model(task), task.tokenizer, 3, steps=1)
+
+
+def test_warmup_reports_the_learning_rate_each_step_used(monkeypatch):
+    """``sft/lr`` was read after ``scheduler.step()``: the next step's rate, not the one used."""
+    import math
+
+    used = []
+    step = torch.optim.AdamW.step
+
+    def spy(self, *args, **kwargs):
+        used.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy)
+    task = rk.tasks.arithmetic(n_train=16, n_test=2)
+    steps, warm, lr = 6, 2, 0.5
+    history = warmup(_model(task), task.tokenizer, task.sft_examples, steps=steps, batch_size=2, lr=lr, warmup_steps=warm)
+    # linear warm-up to lr, then cosine decay to 0.1 * lr over the remaining steps, written out here
+    expected = [lr * (s + 1) / warm if s < warm else
+                lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warm) / (steps - warm)))) for s in range(steps)]
+    assert used == pytest.approx(expected)
+    assert [h["sft/lr"] for h in history] == pytest.approx(expected)

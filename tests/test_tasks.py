@@ -70,3 +70,30 @@ def test_teacher_error_is_the_rate_of_wrong_demonstrations():
 def test_bad_arguments_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         rk.tasks.arithmetic(**kwargs)
+
+
+def test_a_repeated_op_weights_the_draw_but_makes_no_extra_problems():
+    """``ops="++"`` counted 200 possible 1-digit problems where there are 100, so asking for 150
+    hung forever in the rejection sampler instead of being refused as ``ops="+"`` is."""
+    import threading
+
+    outcome = []
+
+    def build():
+        try:
+            rk.tasks.arithmetic(digits=1, ops="++", n_train=140, n_test=10)
+            outcome.append("returned")
+        except ValueError as e:
+            outcome.append(e)
+
+    worker = threading.Thread(target=build, daemon=True)  # a daemon: a hang fails the test, not the run
+    worker.start()
+    worker.join(timeout=20)
+    assert outcome, "arithmetic(digits=1, ops='++', n_train=140, n_test=10) did not return within 20 s"
+    assert isinstance(outcome[0], ValueError), outcome
+    assert "n_train=140 + n_test=10 distinct problems asked for, but 1-digit operands with ops '++' make only 100" in str(outcome[0])
+    # every distinct problem can still be asked for, and the repeat still weights the draw
+    assert len(rk.tasks.arithmetic(digits=1, ops="++", n_train=90, n_test=10).train) == 90
+    task = rk.tasks.arithmetic(digits=2, ops="++-", n_train=3000, n_test=10)
+    additions = sum("+" in prompt for prompt, _ in task.sft_examples) / 3000
+    assert abs(additions - 2 / 3) < 0.05, additions

@@ -45,7 +45,9 @@ def arithmetic(
     teacher_error: float = 0.0,
     teacher_noise: str = "verbose",
 ) -> Task:
-    """Arithmetic on random ``digits``-digit operands. ``ops`` any of ``+ - *``.
+    """Arithmetic on random ``digits``-digit operands. ``ops`` any of ``+ - *``; an op given twice
+    is drawn twice as often (``"++-"``), and ``n_train + n_test`` may not exceed the distinct
+    problems the distinct ops make.
 
     The test set is disjoint from the training set. ``sft_examples`` (for the warm-up) come
     from the training set, demonstrated by a teacher that errs on each example with probability
@@ -74,13 +76,16 @@ def arithmetic(
     if n_sft is not None:
         int_at_least(n_sft, "arithmetic: n_sft", 0, " or None (every training problem)")
     hi = 10**digits - 1
-    possible = len(ops) * (hi + 1) ** 2
+    # a repeated op weights the draw ("++-": two additions to a subtraction) but adds no problems;
+    # counting it made a request for more problems than exist loop forever instead of being refused
+    possible = len(set(ops)) * (hi + 1) ** 2
     if n_train + n_test > possible:
         # the test set is taken first: the training set used to come out empty, and fail later
         # as "the prompt set is empty"
         raise ValueError(
             f"arithmetic: n_train={n_train} + n_test={n_test} distinct problems asked for, but {digits}-digit operands "
-            f"with ops {''.join(ops)!r} make only {possible}; lower n_train/n_test or raise digits"
+            f"with ops {''.join(ops)!r} make only {possible} ({len(set(ops))} distinct op(s) x {hi + 1}**2 operand pairs); "
+            "lower n_train/n_test, raise digits or add ops"
         )
     rng = random.Random(seed)
     seen: set[tuple[int, int, str]] = set()
