@@ -60,17 +60,19 @@ def doctor(args) -> int:
 
 
 def run(args) -> int:
-    from rlkit.jobs import run_task
+    from rlkit.jobs import check_options, json_ready, run_task
 
     options = {k: v for k, v in vars(args).items() if k not in ("command", "fn", "task")}
     if args.nproc_per_node and args.nproc_per_node > 1:
         from rlkit.launch import launch
 
+        check_options(args.task, options)  # here, as rlkit run: error: ..., not as a worker's traceback
+
         result = launch(run_task, args.task, options, nproc_per_node=args.nproc_per_node)
     else:
         result = run_task(args.task, options)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(json_ready(result), allow_nan=False))  # an unknown number is null, never NaN (not JSON)
     return 0
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -64,7 +66,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default=d["size"], help="model preset (tiny, small, ...)")
     p.add_argument("--eval-every", type=int, default=d["eval_every"])
     p.add_argument("--eval-size", type=int, default=d["eval_size"])
-    p.add_argument("--out", default=None, help="directory: saves the model (save_pretrained), metrics.jsonl and summary.json")
+    p.add_argument("--out", default=None, help="directory: saves the model (save_pretrained), metrics.jsonl and summary.json; "
+                   "an earlier run found there is moved to OUT/previous-<k> unless this run resumes one of its checkpoints")
     p.add_argument("--resume", default=None, help="'auto' (needs --out: the newest complete checkpoint in OUT/checkpoints, or a fresh start) "
                    "or a checkpoint path (a step_* directory, a checkpoints directory or another run's --out); skips the warm-up")
     p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"],
@@ -96,7 +99,61 @@ def _options(options: dict[str, Any] | None) -> argparse.Namespace:
             raise ValueError(f"option {key!r} must be >= 1, got {merged[key]}")
     if merged["sft_steps"] < 0:
         raise ValueError(f"option 'sft_steps' must be >= 0, got {merged['sft_steps']}")
+    # checked here, before the warm-up, rather than by fit() / the Checkpointer after it
+    if merged["eval_every"] < 0:
+        raise ValueError(f"option 'eval_every' (--eval-every) must be >= 0 (0: no evaluation during RL), got {merged['eval_every']}")
+    if merged["keep_checkpoints"] < 0:
+        raise ValueError(f"option 'keep_checkpoints' (--keep-checkpoints) must be >= 0 (0: keep every checkpoint), "
+                         f"got {merged['keep_checkpoints']}")
     return argparse.Namespace(**merged)
+
+
+def _check_against_task(opts: argparse.Namespace, task) -> None:
+    """The options that need the task's data, checked before the warm-up (the prompt stream
+    would otherwise refuse the batch size only at the first RL step)."""
+    n_train = len(task.train)
+    if opts.batch_size > n_train:
+        raise ValueError(f"option 'batch_size' (--batch-size) is {opts.batch_size}, more than the {n_train} training prompts "
+                         f"of task {opts.task!r}; use --batch-size {n_train} or less")
+
+
+#: what a run writes into ``--out``
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "model", "checkpoints")
+
+
+def _continues_out(out: str, resume_from) -> bool:
+    """Whether this run continues the run already in ``out``: it resumes a checkpoint kept in
+    ``out/checkpoints`` (``--resume auto``, ``--resume OUT`` or a path under it)."""
+    if resume_from is None:
+        return False
+    root = os.path.realpath(os.path.join(out, "checkpoints"))
+    return os.path.commonpath([root, os.path.realpath(resume_from)]) == root
+
+
+def _set_aside_previous_run(out: str) -> tuple[str, list[str]] | None:
+    """Move an earlier run's outputs in ``out`` into a new ``out/previous-<k>``; returns that
+    folder and the names moved (None: nothing to move).
+
+    A fresh run (no ``--resume``, ``--resume auto`` with no checkpoint yet, or a checkpoint from
+    elsewhere) used to append its steps to the old run's ``metrics.jsonl`` (steps 1, 2, 1, 2 in
+    one file) and overwrite its ``summary.json`` and ``model/`` at the end. Refusing instead
+    would break the one command a preemptible job re-runs (``--resume auto`` starts afresh while
+    no checkpoint exists, and must start cleanly after a kill before the first one), and
+    truncating or overwriting loses a run. So the earlier run is moved aside whole, together
+    (its metrics, summary, model and checkpoints stay consistent with each other), nothing is
+    deleted, OUT holds exactly one run, and stderr says where the old one went.
+    """
+    found = [name for name in RUN_OUTPUTS if os.path.lexists(os.path.join(out, name))
+             and not (os.path.isdir(os.path.join(out, name)) and not os.listdir(os.path.join(out, name)))]
+    if not found:
+        return None
+    taken = [int(name.removeprefix("previous-")) for name in os.listdir(out)
+             if name.startswith("previous-") and name.removeprefix("previous-").isdigit()]
+    where = os.path.join(out, f"previous-{max(taken, default=0) + 1}")
+    os.makedirs(where)
+    for name in found:
+        os.replace(os.path.join(out, name), os.path.join(where, name))
+    return where, found
 
 
 def _recipe_before_warmup(opts: argparse.Namespace):
@@ -145,11 +202,32 @@ def _resume_target(opts: argparse.Namespace):
     return resolve(opts.resume)
 
 
+def json_ready(summary: dict[str, Any]) -> dict[str, Any]:
+    """``summary`` with every non-finite number (NaN, inf) as None, so ``json.dumps(...,
+    allow_nan=False)`` writes strict JSON: ``null``, as :class:`JSONLSink` does, not ``NaN``, which
+    strict parsers reject. (The accuracy before RL is NaN when a resumed checkpoint does not
+    record it, e.g. one saved by the user's own code.)"""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
+
+
+def check_options(task_name: str, options: dict[str, Any] | None = None):
+    """Every check that needs no model: ``(opts, recipe, resume_from, task)`` or a ``ValueError``
+    naming the option. Run first by :func:`run_task`, and by ``rlkit run --nproc-per-node N`` before
+    it starts the workers, so a bad option never costs the warm-up (or a process launch)."""
+    from rlkit import tasks
+
+    opts = _options({**(options or {}), "task": task_name})
+    recipe = _recipe_before_warmup(opts)
+    resume_from = _resume_target(opts)
+    task = tasks.get(task_name, **({"teacher_error": opts.teacher_error} if task_name == "arithmetic" else {}))
+    _check_against_task(opts, task)
+    return opts, recipe, resume_from, task
+
+
 def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Warm up a tiny model on ``task_name``, run RL, evaluate before/after; return the summary."""
     from rich.console import Console
 
-    from rlkit import tasks
     from rlkit.evaluate import evaluate
     from rlkit.loop import fit
     from rlkit.models import tiny
@@ -159,9 +237,7 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     from rlkit.sft import warmup
     from rlkit.state import init
 
-    opts = _options({**(options or {}), "task": task_name})
-    recipe = _recipe_before_warmup(opts)
-    resume_from = _resume_target(opts)
+    opts, recipe, resume_from, task = check_options(task_name, options)
     t_start = time.perf_counter()
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank = 0
@@ -175,8 +251,20 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
         if opts.device.startswith("cuda"):
             opts.device = f"cuda:{info.local_rank}"
             torch.cuda.set_device(info.local_rank)
+    if opts.out and not _continues_out(opts.out, resume_from):
+        if rank == 0 and os.path.isdir(opts.out):
+            moved = _set_aside_previous_run(opts.out)
+            if moved:
+                where, names = moved
+                print(f"rlkit run: --out {opts.out} held an earlier run and this run starts afresh (it resumes no checkpoint "
+                      f"of {os.path.join(opts.out, 'checkpoints')}): that run's {', '.join(names)} were moved to {where}, "
+                      "nothing deleted, nothing mixed into this run's outputs. To continue the run in --out instead, "
+                      "pass --resume auto.", file=sys.stderr, flush=True)
+        if distributed:
+            from rlkit.parallel import barrier
+
+            barrier()  # no rank touches OUT before rank 0 has moved the old run out of it
     console = Console(stderr=True, quiet=opts.quiet or rank != 0)
-    task = tasks.get(task_name, **({"teacher_error": opts.teacher_error} if task_name == "arithmetic" else {}))
     device = torch.device(opts.device)
     torch.manual_seed(opts.seed)
     model = tiny(task.tokenizer, size=opts.size, seed=opts.seed).to(device)
@@ -273,10 +361,12 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     if checkpointer is not None and checkpointer.last_save_seconds is not None:
         summary["checkpoint_save_s"] = checkpointer.last_save_seconds
         summary["checkpoint_bytes"] = checkpointer.last_save_bytes
+    known_before = math.isfinite(acc_before)
     console.print(summary_table(
         f"rlkit run {task_name} --algo {opts.algo} (seed {opts.seed})",
-        [("held-out accuracy after warm-up", f"{acc_before:.3f}"), ("held-out accuracy after RL", f"{acc_after:.3f}"),
-         ("gain (points)", f"{100 * (acc_after - acc_before):+.1f}"), ("RL steps", str(state.step)), ("wall time", f"{wall:.1f} s")],
+        [("held-out accuracy after warm-up", f"{acc_before:.3f}" if known_before else "unknown (not in the checkpoint)"),
+         ("held-out accuracy after RL", f"{acc_after:.3f}"),
+         ("gain (points)", f"{100 * (acc_after - acc_before):+.1f}" if known_before else "unknown"), ("RL steps", str(state.step)), ("wall time", f"{wall:.1f} s")],
     ))
     if opts.out:
         full = None
@@ -289,7 +379,7 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
             state.actor.save_pretrained(os.path.join(opts.out, "model"), state_dict=full)
             tok.save_pretrained(os.path.join(opts.out, "model"))
             with open(os.path.join(opts.out, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+                json.dump(json_ready(summary), f, indent=2, allow_nan=False)
     if distributed:
         from rlkit.parallel import shutdown
 

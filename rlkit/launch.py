@@ -380,11 +380,51 @@ def _worker_error(run_dir: str, error) -> WorkerError:
 # shell entry
 
 
+#: the words torchrun's ``--nproc-per-node`` takes besides a count
+_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+
+
+def _check_torchrun_args(args) -> None:
+    """``--nproc-per-node`` and ``--nnodes``, checked before torch elastic starts: it meets 0, a
+    negative count or ``MIN > MAX`` with a bare ``AssertionError`` traceback, and a word it does
+    not know with a ``ValueError`` traceback."""
+    nproc = str(args.nproc_per_node).strip()
+    try:
+        count = int(nproc)
+    except ValueError:
+        if nproc not in _NPROC_WORDS:
+            raise ValueError(f"--nproc-per-node is {nproc!r}; give a number of workers on this machine >= 1 "
+                             f"(e.g. --nproc-per-node 2) or one of {', '.join(_NPROC_WORDS)} (one per core/GPU)") from None
+        if nproc == "gpu":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("--nproc-per-node is 'gpu' (one worker per GPU), but this torch sees no CUDA GPU; "
+                                 "give a number of workers (e.g. --nproc-per-node 2), or cpu / auto") from None
+    else:
+        if count < 1:
+            raise ValueError(f"--nproc-per-node is {count}; give a number of workers on this machine >= 1 "
+                             "(e.g. --nproc-per-node 2), or auto (one per GPU, else per core)")
+    nnodes = str(args.nnodes).strip()
+    lo_text, colon, hi_text = nnodes.partition(":")
+    try:
+        lo, hi = int(lo_text), int(hi_text if colon else lo_text)
+    except ValueError:
+        lo = hi = None
+    if lo is None or not 1 <= lo <= hi:
+        raise ValueError(f"--nnodes is {nnodes!r}; give a number of machines >= 1 (e.g. --nnodes 2) or an elastic range "
+                         "MIN:MAX with 1 <= MIN <= MAX (e.g. --nnodes 1:4)")
+
+
 def torchrun_argv(argv: list[str]) -> list[str]:
-    """``rlkit launch`` arguments -> torchrun arguments (adds ``--standalone`` / ``--rdzv-backend c10d``)."""
+    """``rlkit launch`` arguments -> torchrun arguments (adds ``--standalone`` / ``--rdzv-backend c10d``).
+
+    Raises ``ValueError`` naming the flag for a ``--nproc-per-node`` or ``--nnodes`` that torch
+    elastic would reject only with a bare traceback."""
     from torch.distributed.run import get_args_parser
 
     args = get_args_parser().parse_args(list(argv))
+    _check_torchrun_args(args)
     extra: list[str] = []
     single_node = str(args.nnodes) in ("1", "1:1")
     if single_node and not args.rdzv_endpoint and not args.standalone:
@@ -395,10 +435,18 @@ def torchrun_argv(argv: list[str]) -> list[str]:
 
 
 def main_launch(argv: list[str] | None = None) -> None:
-    """Entry of ``rlkit launch``: torchrun semantics, delegating to ``torch.distributed.run``."""
+    """Entry of ``rlkit launch``: torchrun semantics, delegating to ``torch.distributed.run``.
+
+    A bad ``--nproc-per-node`` / ``--nnodes`` exits with status 2 and one line naming the flag
+    (as argparse does), before any process starts."""
     from torch.distributed.run import main as torchrun_main
 
-    torchrun_main(torchrun_argv(sys.argv[1:] if argv is None else list(argv)))
+    try:
+        torchrun = torchrun_argv(sys.argv[1:] if argv is None else list(argv))
+    except ValueError as e:
+        print(f"rlkit launch: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    torchrun_main(torchrun)
 
 
 class _CallableModule(type(sys)):

@@ -45,6 +45,9 @@ def test_run_on_two_processes_writes_a_loadable_model(tmp_path, child_env):
     (["--temperature", "0"], "temperature must be > 0 for RL sampling"),
     (["--lr", "0"], "optimizer lr must be a positive finite number"),
     (["--out", __file__], "option 'out' is .*, an existing file"),
+    (["--eval-every", "-1"], r"option 'eval_every' \(--eval-every\) must be >= 0 .*got -1"),
+    (["--keep-checkpoints", "-1"], r"option 'keep_checkpoints' \(--keep-checkpoints\) must be >= 0 .*got -1"),
+    (["--batch-size", "5000"], r"option 'batch_size' \(--batch-size\) is 5000, more than the 4000 training prompts.*--batch-size 4000 or less"),
 ])
 def test_run_refuses_bad_options_before_the_warm_up_with_a_message(args, message, monkeypatch, capsys):
     """These options used to fail at the first RL step, after the warm-up (about 1.5 min by
@@ -65,3 +68,117 @@ def test_run_refuses_bad_options_before_the_warm_up_with_a_message(args, message
     monkeypatch.setenv("RLKIT_TRACEBACK", "1")
     with pytest.raises(ValueError, match=message):
         main(["run", "arithmetic", "--quiet", *args])
+
+
+def test_run_on_several_processes_checks_options_before_starting_them(monkeypatch, capsys):
+    """``--nproc-per-node 2`` with a bad option: refused in the calling process, not as a worker's traceback."""
+    import importlib
+
+    from rlkit.cli import main
+
+    def no_launch(*a, **k):
+        raise AssertionError("the workers were started before the options were checked")
+
+    monkeypatch.setattr(importlib.import_module("rlkit.launch"), "launch", no_launch)
+    monkeypatch.delenv("RLKIT_TRACEBACK", raising=False)
+    assert main(["run", "arithmetic", "--quiet", "--nproc-per-node", "2", "--eval-every", "-1"]) == 2
+    assert "option 'eval_every' (--eval-every) must be >= 0" in capsys.readouterr().err
+
+
+TINY = {"sft_steps": 0, "steps": 2, "batch_size": 2, "n": 2, "eval_size": 4, "eval_every": 0, "quiet": True}
+
+
+def _steps(path):
+    return [json.loads(line)["step"] for line in open(path)]
+
+
+def test_a_fresh_run_into_a_used_out_moves_the_earlier_run_aside(tmp_path, capsys):
+    """A second run without --resume into the same --out used to append to the first run's
+    metrics.jsonl (steps 1, 2, 1, 2) and overwrite its summary and model: now the first run moves,
+    whole, to OUT/previous-1 (stderr says so) and OUT holds only the new run."""
+    from rlkit.jobs import run_task
+
+    out = tmp_path / "out"
+    first = run_task("arithmetic", {**TINY, "out": str(out), "seed": 1})
+    capsys.readouterr()
+    run_task("arithmetic", {**TINY, "out": str(out), "seed": 2})
+    err = capsys.readouterr().err
+    assert _steps(out / "metrics.jsonl") == [1, 2]
+    old = out / "previous-1"
+    assert _steps(old / "metrics.jsonl") == [1, 2]
+    assert json.loads((old / "summary.json").read_text())["seed"] == 1 == first["seed"]
+    assert json.loads((out / "summary.json").read_text())["seed"] == 2
+    assert (old / "model" / "config.json").exists() and (out / "model" / "config.json").exists()
+    assert str(old) in err and "--resume auto" in err
+    run_task("arithmetic", {**TINY, "steps": 1, "out": str(out), "seed": 3})  # a third run: previous-2, previous-1 untouched
+    assert json.loads((out / "previous-2" / "summary.json").read_text())["seed"] == 2
+    assert json.loads((old / "summary.json").read_text())["seed"] == 1
+
+
+def test_resuming_the_run_in_out_continues_its_metrics(tmp_path):
+    """--resume auto from OUT's own checkpoint continues the run there: nothing is moved aside."""
+    from rlkit.jobs import run_task
+
+    out = tmp_path / "out"
+    run_task("arithmetic", {**TINY, "steps": 1, "checkpoint_every": 1, "out": str(out)})
+    summary = run_task("arithmetic", {**TINY, "steps": 2, "checkpoint_every": 1, "out": str(out), "resume": "auto"})
+    assert summary["steps"] == 2 and "resumed_from" in summary
+    assert _steps(out / "metrics.jsonl") == [1, 2]
+    assert not list(out.glob("previous-*"))
+
+
+def _strict_json(text):
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_summary_is_strict_json_when_the_checkpoint_lacks_the_accuracy_before_rl(tmp_path, capsys):
+    """A checkpoint saved by the user's own code has no job/accuracy_before_rl: --json and
+    summary.json used to print NaN there (not JSON; strict parsers reject it); now null."""
+    import rlkit as rk
+    from rlkit.checkpoint import save
+    from rlkit.cli import main
+    from rlkit.models import tiny
+
+    task = rk.tasks.arithmetic()
+    state = rk.init(tiny(task.tokenizer, size="tiny", seed=0), rk.optim.adamw(lr=3e-4, weight_decay=0.0), tokenizer=task.tokenizer)
+    save(state, tmp_path / "own" / "checkpoints")
+    out = tmp_path / "out"
+    assert main(["run", "arithmetic", "--quiet", "--json", "--resume", str(tmp_path / "own"), "--steps", "1", "--batch-size", "2",
+                 "--n", "2", "--eval-size", "4", "--eval-every", "0", "--out", str(out)]) == 0
+    printed = _strict_json(capsys.readouterr().out.strip().splitlines()[-1])
+    saved = _strict_json((out / "summary.json").read_text())
+    for summary in (printed, saved):
+        assert summary["accuracy_before_rl"] is None and summary["accuracy_gain"] is None
+        assert isinstance(summary["accuracy_after_rl"], float) and summary["steps"] == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc-per-node", "0"], "--nproc-per-node is 0; give a number of workers on this machine >= 1"),
+    (["--nproc-per-node", "-2"], "--nproc-per-node is -2; give a number of workers"),
+    (["--nproc-per-node", "two"], "--nproc-per-node is 'two'; give a number of workers .* or one of auto, cpu, gpu, xpu"),
+    (["--nnodes", "0"], "--nnodes is '0'; give a number of machines >= 1"),
+    (["--nnodes", "2:1"], "--nnodes is '2:1'; .*1 <= MIN <= MAX"),
+    (["--nnodes", "x"], "--nnodes is 'x'; give a number of machines"),
+])
+def test_launch_refuses_bad_sizes_before_torch_elastic_starts(args, message, monkeypatch, capsys, tmp_path):
+    """torch elastic met these with a bare AssertionError (or ValueError) traceback and status 1."""
+    import re
+
+    import torch.distributed.run
+
+    from rlkit.cli import main
+
+    def no_torchrun(*a, **k):
+        raise AssertionError("torch elastic started with a bad size")
+
+    monkeypatch.setattr(torch.distributed.run, "main", no_torchrun)
+    script = tmp_path / "hi.py"
+    script.write_text("print('hi')\n")
+    with pytest.raises(SystemExit) as info:
+        main(["launch", *args, str(script)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlkit launch: error: ") and re.search(message, err) and "Traceback" not in err

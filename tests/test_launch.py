@@ -144,6 +144,17 @@ def test_torchrun_argv_defaults():
     assert torchrun_argv(explicit) == explicit
 
 
+def test_torchrun_argv_refuses_bad_sizes_naming_the_flag():
+    # torch elastic meets these with a bare AssertionError / ValueError traceback
+    for argv, flag in [(["--nproc-per-node", "0"], "--nproc-per-node"), (["--nproc-per-node", "-1"], "--nproc-per-node"),
+                       (["--nproc-per-node", "many"], "--nproc-per-node"), (["--nnodes", "0"], "--nnodes"),
+                       (["--nnodes", "3:2"], "--nnodes"), (["--nnodes", "1:2:3"], "--nnodes")]:
+        with pytest.raises(ValueError, match=f"^{flag} is "):
+            torchrun_argv([*argv, "train.py"])
+    for ok in (["--nproc-per-node", "auto"], ["--nproc-per-node", "cpu"], ["--nnodes", "1:2", "--rdzv-endpoint", "h:1"]):
+        assert torchrun_argv([*ok, "train.py"])[-1] == "train.py"
+
+
 def test_emit_outside_launch_is_a_no_op(monkeypatch, tmp_path):
     monkeypatch.delenv("RLKIT_RUN_DIR", raising=False)
     monkeypatch.chdir(tmp_path)
