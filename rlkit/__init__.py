@@ -25,10 +25,14 @@ from rlkit.transforms.rollout import concat, rollout, rollout_metrics  # noqa: E
 from rlkit.transforms.score import RewardError, score  # noqa: E402
 from rlkit.transforms.update import update  # noqa: E402
 
-# functions that share a name with their module: bind the function (importing the module first
-# would otherwise leave ``rk.evaluate`` / ``rk.launch`` pointing at the module)
+# a function that shares a name with its module: bind the function (importing the module first
+# would otherwise leave ``rk.evaluate`` pointing at the module)
 from rlkit.evaluate import evaluate  # noqa: E402
-from rlkit.launch import launch  # noqa: E402
+
+# ``rk.launch`` is the module rlkit.launch, which is callable (``rk.launch(fn, ...)`` launches) and
+# holds ``WorkerError`` and ``emit`` (``rk.launch.WorkerError`` was an AttributeError while the
+# package bound the function). Imported on first use, so ``python -m rlkit.launch`` runs it without
+# runpy's "found in sys.modules" warning.
 
 
 def __getattr__(name):
@@ -39,6 +43,7 @@ def __getattr__(name):
         "models": "rlkit.models", "engines": "rlkit.engines", "tasks": "rlkit.tasks", "recipes": "rlkit.recipes",
         "rewards": "rlkit.rewards", "observe": "rlkit.observe", "parallel": "rlkit.parallel",
         "checkpoint": "rlkit.checkpoint", "sft": "rlkit.sft", "loop": "rlkit.loop", "jobs": "rlkit.jobs",
+        "launch": "rlkit.launch",
     }
     if name in lazy:
         return importlib.import_module(lazy[name])

@@ -152,6 +152,14 @@ class _Tail(threading.Thread):
         self._partial: dict[str, str] = {}
         self._stop_event = threading.Event()
         self.callback_error: BaseException | None = None
+        if echo_logs:
+            # a reused run_dir keeps earlier runs' logs (each run writes its own subfolder): follow
+            # them from their end, or this run echoed every earlier run's output before its own
+            for path in self._log_files():
+                self._offsets[path] = os.path.getsize(path)
+
+    def _log_files(self) -> list[str]:
+        return sorted(glob.glob(os.path.join(self.run_dir, "logs", "**", "std*.log"), recursive=True))
 
     def run(self) -> None:
         while not self._stop_event.wait(self.interval):
@@ -194,7 +202,7 @@ class _Tail(threading.Thread):
                     if self.callback_error is None:
                         self.callback_error = e
         if self.echo_logs:
-            for path in sorted(glob.glob(os.path.join(self.run_dir, "logs", "**", "std*.log"), recursive=True)):
+            for path in self._log_files():
                 local_rank = os.path.basename(os.path.dirname(path))
                 stream = sys.stderr if path.endswith("stderr.log") else sys.stdout
                 for line in self._new_lines(path):
@@ -450,9 +458,8 @@ def main_launch(argv: list[str] | None = None) -> None:
 
 
 class _CallableModule(type(sys)):
-    """``rlkit.launch`` is both this module and the function: whichever the attribute resolves to
-    (the package re-exports the function, but any ``from rlkit.launch import emit`` rebinds the
-    package attribute to the module), ``rlkit.launch(fn, ...)`` must launch."""
+    """``rlkit.launch`` is this module, and callable: ``rk.launch(fn, ...)`` launches, and
+    ``rk.launch.WorkerError`` / ``rk.launch.emit`` are its names."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return launch(*args, **kwargs)

@@ -222,3 +222,31 @@ def test_a_worker_that_exits_with_status_0_is_a_worker_error(tmp_path, monkeypat
     assert error.rank == 1 and sorted(error.failures) == [1]
     assert "SystemExit" in error.worker_traceback and "quits_early" in error.worker_traceback
     assert "rank(s) [1]" in str(error) and "without returning" in str(error)
+
+
+def test_a_reused_run_dir_echoes_only_this_runs_output(tmp_path, monkeypatch, capsys):
+    """Every earlier run's worker logs under run_dir/logs were echoed again before this run's own."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+    def say(word):  # a local function: it reaches the worker by value
+        print("WORKER SAYS", word, flush=True)
+        return word
+
+    assert launch(say, "first", nproc_per_node=1, run_dir=str(tmp_path)) == "first"
+    assert "WORKER SAYS first" in capsys.readouterr().out
+    assert launch(say, "second", nproc_per_node=1, run_dir=str(tmp_path)) == "second"
+    out = capsys.readouterr().out
+    assert "WORKER SAYS second" in out and "WORKER SAYS first" not in out
+
+
+def test_rk_launch_is_callable_and_holds_its_names():
+    """rk.launch was the function, so the tutorial's rk.launch.WorkerError and rk.launch.emit were
+    AttributeErrors."""
+    import rlkit as rk
+
+    assert callable(rk.launch) and rk.launch.WorkerError is WorkerError and rk.launch.emit is emit
+    assert rk.launch.launch is launch
+    # python -m rlkit.launch: runpy warned that the module was already imported by the package
+    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "rlkit.launch", "--nproc-per-node", "0", "x.py"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "RuntimeWarning" not in proc.stderr, proc.stderr
