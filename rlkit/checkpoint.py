@@ -933,6 +933,15 @@ class Checkpointer:
             return self.save(state)
         return None
 
+    def save_final(self, state: TrainState) -> Path | None:
+        """Save the state a run ends with unless it is saved already, when this checkpointer saves
+        periodically (``every > 0``; ``every=0`` saves only on SIGTERM). :func:`rlkit.fit` calls it
+        after its last step: a finished run used to keep only its last periodic checkpoint, and
+        resuming it redid the steps after that."""
+        if self.every and state.step != self.last_saved_step:
+            return self.save(state)
+        return None
+
     # loading ----------------------------------------------------------------------
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None."""

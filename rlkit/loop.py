@@ -36,7 +36,8 @@ def fit(
     state restored from a checkpoint continues with exactly the batches the uninterrupted run
     would see. ``eval_fn(state) -> {"accuracy": ...}`` runs every ``eval_every`` steps and after the
     last step (``eval_every=0``: never); ``checkpointer.maybe_save(state)`` is called after every
-    step when given. ``recipe`` may be a name (``"grpo"``: ``rk.recipes.get``); ``sinks`` one sink
+    step when given, and the last step is saved too (``Checkpointer.save_final``), so a finished
+    run resumes finished instead of redoing the steps since its last periodic checkpoint. ``recipe`` may be a name (``"grpo"``: ``rk.recipes.get``); ``sinks`` one sink
     or several.
 
     Nothing is lost when the run stops early: an exception leaving ``fit`` (an error in a reward
@@ -75,6 +76,8 @@ def fit(
                     # after the sinks: a step inside a checkpoint has its metrics logged, even when this
                     # save is the last thing a preempted (SIGTERM) run does
                     checkpointer.maybe_save(state)
+            if history and checkpointer is not None and callable(getattr(checkpointer, "save_final", None)):
+                checkpointer.save_final(state)
     except BaseException as exc:  # noqa: BLE001 - re-raised; only annotated
         _attach_progress(exc, state, history)
         raise

@@ -87,6 +87,25 @@ def test_resume_equals_uninterrupted_bit_for_bit(tmp_path, task):
     assert [p.name for p in sorted(tmp_path.iterdir())] == ["step_000002", "step_000004"]
 
 
+def test_a_finished_run_keeps_its_last_step_and_resumes_finished(tmp_path, task):
+    """fit saved only every `every` steps: a 3-step run with every=2 kept step 2, and resuming it
+    trained step 3 again."""
+    recipe = _recipe(task)
+    saver = Checkpointer(tmp_path, every=2, save_on_sigterm=False)
+    done, _ = fit(_build(task), recipe, digit_reward, task.train, steps=3, batch_size=BATCH, checkpointer=saver)
+    assert [p.name for p in sorted(tmp_path.iterdir())] == ["step_000002", "step_000003"]
+    again = Checkpointer(tmp_path, every=2, save_on_sigterm=False).resume(_build(task, model_seed=1), "auto")
+    assert again.step == 3
+    for k, v in done.actor.state_dict().items():
+        assert torch.equal(v, again.actor.state_dict()[k]), k
+    _, history = fit(again, recipe, digit_reward, task.train, steps=3, batch_size=BATCH, checkpointer=saver)
+    assert history == []
+    # every=0 saves only on SIGTERM, at the end too
+    only_sigterm = Checkpointer(tmp_path / "sigterm_only", every=0, save_on_sigterm=False)
+    fit(_build(task), recipe, digit_reward, task.train, steps=1, batch_size=BATCH, checkpointer=only_sigterm)
+    assert only_sigterm.latest() is None
+
+
 JOB = dict(algo="ppo", kl=0.01, steps=8, checkpoint_every=2, sft_steps=5, batch_size=4, n=4, eval_every=0, eval_size=4, quiet=True)
 
 

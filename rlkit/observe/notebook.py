@@ -1,4 +1,4 @@
-"""A live notebook dashboard: progress, metric plots and sample responses (ipywidgets + matplotlib).
+"""A live notebook dashboard: progress, the latest metrics and their plots (ipywidgets + matplotlib).
 
     dash = rk.observe.notebook.Dashboard(total=100, keys=("reward/mean", "eval/accuracy"))
     state, history = rk.fit(..., sinks=[dash])
@@ -25,7 +25,6 @@ class Dashboard:
         int_at_least(every, "Dashboard: every", 1, " (steps between redraws)")
         self.total, self.keys, self.every = total, as_keys(keys), every
         self.history: list[dict] = []
-        self.samples: list[str] = []
         self._widgets = None
         try:
             import ipywidgets as widgets
