@@ -170,7 +170,12 @@ def _recipe_before_warmup(opts: argparse.Namespace):
         raise ValueError(f"option 'kl' must be >= 0 (0: no reference), got {opts.kl}")
     from rlkit.optim import adamw
 
-    adamw(lr=opts.lr)  # its own check (a positive finite lr), before the warm-up rather than after it
+    for name in ("lr", "sft_lr"):  # adamw's own check (a positive finite lr), naming the flag, before the warm-up
+        try:
+            adamw(lr=getattr(opts, name))
+        except ValueError:
+            raise ValueError(f"option '{name}' (--{name.replace('_', '-')}) must be a positive finite number, "
+                             f"got {getattr(opts, name)!r}") from None
     if opts.out and os.path.exists(opts.out) and not os.path.isdir(opts.out):
         raise ValueError(f"option 'out' is {opts.out!r}, an existing file; give a directory (it is created when missing)")
     recipe = recipes.get(opts.algo, n=opts.n, temperature=opts.temperature,  # the recipe checks these
