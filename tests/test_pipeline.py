@@ -131,6 +131,42 @@ def test_update_on_two_processes_equals_one(with_critic, divergent_keep):
             assert r["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
+MINI = dict(mini_batch_size=4, micro_batch_size=1, epochs=2, shuffle=True)
+
+
+def _mini_batch_worker():
+    from rlkit.parallel import init_distributed, shutdown
+
+    init_distributed("gloo")
+    try:
+        task = _task()
+        model = _model(task)
+        batch = _batch(model, task)
+        state = rk.Pipeline(rk.recipes.get("grpo"), reward=task.reward).lower().shard(rk.init(model, _spec(), tokenizer=task.tokenizer))
+        state, metrics = rk.update(state, batch, **MINI)
+        return {"actor": _full(state._cache["actor_module"]), "metrics": metrics}
+    finally:
+        shutdown()
+
+
+def test_mini_batches_and_their_shuffle_on_two_processes_equal_one():
+    """Mini-batches are formed (and shuffled) over the global batch, then split over the ranks.
+    The batch used to be split first: mini-batch 0 was rows {0, 1, 4, 5} instead of 0-3, and each
+    rank shuffled its own half, so parameters differed by 3e-4 and the metrics too."""
+    from rlkit.parallel.local import run_local
+
+    results = run_local(_mini_batch_worker, 2, timeout=240)
+    task = _task()
+    model = _model(task)
+    state, metrics = rk.update(rk.init(model, _spec(), tokenizer=task.tokenizer), _batch(model, task), **MINI)
+    got = _strip(results[0]["actor"], "model.")
+    for name, ref in state.actor.state_dict().items():
+        torch.testing.assert_close(got[name], ref, atol=2e-6, rtol=1e-5, msg=name)
+    for r in results:
+        for key, value in metrics.items():
+            assert r["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
 def _rollout_worker():
     from rlkit.parallel import init_distributed, shutdown
 

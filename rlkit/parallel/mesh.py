@@ -176,6 +176,7 @@ def barrier() -> None:
 
 def shutdown() -> None:
     """Barrier, collect garbage, then destroy every process group (safe when not distributed).
+    Called while an exception propagates (from a ``finally`` or ``except``), it skips the barrier.
 
     Both steps matter on gloo, where a process otherwise aborts at exit with "terminate called
     without an active exception". The barrier: every rank has finished its collectives before
@@ -186,8 +187,14 @@ def shutdown() -> None:
     """
     if dist.is_available() and dist.is_initialized():
         import gc
+        import sys
 
-        barrier()
+        if sys.exc_info()[0] is None:
+            barrier()
+        # else: called while an exception propagates (a `finally: shutdown()` on a rank that
+        # raised): the other ranks may be inside a collective this rank will never join, and the
+        # barrier paired with it, so the job hung instead of reporting the error. Without it this
+        # rank exits, and theirs fails with a connection error the launcher reports.
         gc.collect()
         dist.destroy_process_group()
         gc.collect()

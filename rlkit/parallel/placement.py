@@ -268,10 +268,16 @@ class _ShardedReward:
     def _share(self, b: int) -> tuple[int, int]:
         return contiguous_share(b, self.rank, self.size)
 
-    def _gather(self, compute) -> list:
+    def _gather(self, compute, rows: int) -> list:
+        """Every rank's values, in rank order; ``rows``: how many this rank scores."""
         try:
             mine, error = compute(), None
-        except Exception as exc:  # noqa: BLE001 - every rank must reach the gather
+            if len(mine) != rows:
+                # checked per rank: a rank returning one value too many and another one too few
+                # concatenated to the right total, and trained on misaligned rewards
+                error = ValueError(f"reward {getattr(self.fn, '__name__', self.fn)!r} returned {len(mine)} values for the "
+                                   f"{rows} rows it was given; return one value (or None) per completion")
+        except BaseException as exc:  # noqa: BLE001 - every rank must reach the gather (SystemExit, timeouts too), then re-raised
             mine, error = None, exc
         everyone: list = [None] * self.size
         dist.all_gather_object(everyone, (mine, None if error is None else f"{type(error).__name__}: {error}"), group=self.group)
@@ -295,7 +301,7 @@ class _ShardedReward:
                 values = values.detach().float().flatten().cpu() if isinstance(values, torch.Tensor) else values
                 return [float(v) if v is not None else None for v in values]
 
-            return torch.tensor([float("nan") if v is None else v for v in self._gather(compute)], dtype=torch.float32)
+            return torch.tensor([float("nan") if v is None else v for v in self._gather(compute, max(hi - lo, 0))], dtype=torch.float32)
         completions, *rest = args
         b = len(completions)
         lo, hi = self._share(b)
@@ -311,4 +317,4 @@ class _ShardedReward:
                 return []
             return list(self.fn(cut(completions), *[cut(v) for v in rest], **{k: cut(v) for k, v in kwargs.items()}))
 
-        return self._gather(compute)
+        return self._gather(compute, max(hi - lo, 0))

@@ -175,6 +175,11 @@ def _run_one(fn: Callable, batch: Batch, prompts: Sequence[str], completions: Se
         try:
             values = _call_trl(fn, batch, prompts, completions)
         except Exception as exc:  # noqa: BLE001
+            if getattr(fn, "reads_row_shares", False):
+                # a reward sharded over ranks (rlkit.parallel.shard_reward): its error names the
+                # rank that failed, and retrying sample by sample would run collectives that a rank
+                # whose reward raised a BaseException (SystemExit) never joins: the job hung
+                raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc}") from exc
             # find the first sample that fails on its own, so the error names it
             for i in range(b):
                 try:

@@ -197,14 +197,20 @@ def update(
         batch = compute_values(state, batch, micro_batch_size=micro_batch_size)
 
     dp = _dp(state)
+    shard = None
     if dp is not None and dp.size > 1:
-        # data parallel: this rank trains on its contiguous rows of the global batch
+        # data parallel: mini-batches (and their shuffle) are formed over the global batch, as one
+        # process forms them, and this rank trains on its contiguous rows of each. Sharding the
+        # batch first made mini-batch 0 rows {0, 1, 4, 5} of 8 on 2 ranks, not rows 0-3, and each
+        # rank shuffled only its own half: 2 processes did not compute what 1 does
         from rlkit.parallel.placement import shard_rows
 
         if mini_batch_size and mini_batch_size % dp.size:
             raise ValueError(f"mini_batch_size={mini_batch_size} must be divisible by the {dp.size} data-parallel ranks")
-        batch = shard_rows(batch, dp.mesh)  # raises when the rows do not split evenly
-        mini_batch_size = mini_batch_size // dp.size if mini_batch_size else None
+        shard_rows(batch, dp.mesh)  # raises when the rows do not split evenly over the ranks
+
+        def shard(rows):
+            return shard_rows(rows, dp.mesh)
     split = state._cache.get("split")
     if split is not None and torch.distributed.get_rank() not in split.actor_ranks:
         # split placement, a generation rank: the actor ranks train; receive their metrics
@@ -231,6 +237,9 @@ def update(
     device = module_device(actor)
     actor.train()
     grad_scale = float(dp.size) if dp is not None and dp.mean_reduce else 1.0
+    # rows of one mini-batch on this rank (micro_batch_size bounds this rank's forward/backward)
+    local_mini = mini // dp.size if shard is not None else mini
+    micro = min(micro, local_mini)
 
     # metrics stay on the device (float64) until one transfer at the end: a float() per metric
     # per micro-batch would make the host wait for the GPU before every backward
@@ -247,11 +256,12 @@ def update(
     lr_used = None
     streak = int(state.extras.get("nonfinite_streak", 0))
     gap_abs = gap_max = None
+    gap_tokens = 0.0  # this rank's response tokens the gap was measured over
     steps_done = 0
     # Pipeline.lower(grad_reduce="step"): FSDP2 reduce-scatters once per optimizer step, in the
     # last micro-batch's backward, instead of in every micro-batch's
     trained = [actor_module] + ([critic_module] if train_critic else [])
-    defer_sync = dp is not None and mini > micro and state._cache.get("grad_reduce", "micro_batch") == "step"
+    defer_sync = dp is not None and local_mini > micro and state._cache.get("grad_reduce", "micro_batch") == "step"
     if defer_sync:
         from rlkit.parallel.fsdp import discard_unreduced_gradients, set_gradient_sync
     try:
@@ -260,6 +270,8 @@ def update(
             for m0 in range(0, b, mini):
                 # unshuffled: a slice (views), not an index (a copy of every field)
                 mini_batch = batch[order[m0 : m0 + mini]] if order is not None else batch[m0 : m0 + mini]
+                if shard is not None:
+                    mini_batch = shard(mini_batch)
                 mask_all = mini_batch["response_mask"]
                 # rows without any valid token do not count as sequences (verl's seq-mean-* default);
                 # both counts in one collective (whole numbers: float32 sums them exactly)
@@ -274,11 +286,11 @@ def update(
                 mini_loss = 0.0  # this mini-batch's loss: a non-finite one skips its optimizer step only
                 if train_critic:
                     state.critic_optimizer.zero_grad(set_to_none=True)
-                for u0 in range(0, mini, micro):
+                for u0 in range(0, local_mini, micro):
                     with torch.profiler.record_function("rlkit.update.micro_batch"):  # names the range in a profiler trace
                         if defer_sync:
                             for module in trained:
-                                set_gradient_sync(module, u0 + micro >= mini)
+                                set_gradient_sync(module, u0 + micro >= local_mini)
                         rows = mini_batch[u0 : u0 + micro]
                         # the layout from the masks where the batch lives (the CPU: no device sync), and
                         # every field copied without waiting, so the host runs ahead of the GPU
@@ -316,6 +328,7 @@ def update(
                             diff = (logprobs.detach() - mb["logprobs"]).abs().masked_fill(~mask, 0.0)
                             gap_abs = diff.sum().double() + (0.0 if gap_abs is None else gap_abs)
                             gap_max = diff.max().double() if gap_max is None else torch.maximum(gap_max, diff.max().double())
+                            gap_tokens = gap_tokens + rows["response_mask"].sum()  # the rows measured (shuffled or not)
                         mini_loss = mini_loss + total.detach()
                         (total * grad_scale).backward()
                         if train_critic:
@@ -375,7 +388,8 @@ def update(
     # loss parts are already normalised per mini-batch (summed over its micro-batches) and ratio
     # metrics are token-weighted fractions of each mini-batch: both average over optimizer steps
     metrics = {k: sums[k] / (weights[k] if k.endswith("grad_norm") else n_steps) for k in sums}
-    n_tok = float(batch[:mini]["response_mask"].sum())
+    # the gap's denominator: the tokens it was summed over (it was the unshuffled first mini-batch's)
+    n_tok = float(gap_tokens)
     if dp is not None and dp.size > 1:
         metrics, gap_abs, gap_max, n_tok = _reduce_metrics(metrics, gap_abs, gap_max, n_tok, dp, device)
     if gap_abs is not None:

@@ -177,3 +177,29 @@ def test_concat_respects_left_and_right_padding():
     assert merged["response_ids"].tolist() == [[1, 0, 0], [2, 3, 4]]
     assert merged["response_mask"].tolist() == [[True, False, False], [True] * 3]
     assert column(merged, "answer") == ["x", "y"]
+
+
+def _raises_on_rank_1():
+    import torch.distributed as dist
+
+    M.init_distributed("gloo")
+    try:
+        if dist.get_rank() == 1:
+            raise ValueError("only rank 1 fails")
+        dist.all_reduce(torch.ones(1))  # rank 0 waits in a collective rank 1 never joins
+    finally:
+        M.shutdown()  # the documented teardown; its barrier paired with rank 0's all_reduce: a hang
+
+
+@pytest.mark.distributed
+def test_a_rank_that_raises_is_reported_not_hung():
+    import time
+
+    from torch.multiprocessing import ProcessRaisedException
+
+    from rlkit.parallel.local import run_local
+
+    start = time.perf_counter()
+    with pytest.raises(ProcessRaisedException, match="only rank 1 fails"):
+        run_local(_raises_on_rank_1, 2, timeout=90)
+    assert time.perf_counter() - start < 60

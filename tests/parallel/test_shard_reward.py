@@ -94,6 +94,26 @@ def _job() -> dict:
         out["error"] = None
     except RewardError as exc:
         out["error"] = str(exc)
+
+    def miscounts(completions, **kwargs):  # rank 0 one value too many, rank 1 one too few
+        return [1.0] * (len(completions) + (1 if rank == 0 else -1))
+
+    try:
+        score(_batch(), shard_reward(miscounts))
+        out["miscount_error"] = None
+    except RewardError as exc:
+        out["miscount_error"] = str(exc)
+
+    def exits_on_rank_1(completions, **kwargs):  # a BaseException (SystemExit, some timeout libraries)
+        if rank == 1:
+            raise SystemExit(3)
+        return [0.0] * len(completions)
+
+    try:
+        score(_batch(), shard_reward(exits_on_rank_1))
+        out["exit_error"] = None
+    except (RewardError, SystemExit) as exc:
+        out["exit_error"] = f"{type(exc).__name__}: {exc}"
     shutdown()
     return out
 
@@ -124,6 +144,16 @@ def test_a_reward_failing_on_one_rank_raises_on_both(two):
     by_rank = {r["rank"]: r["error"] for r in two}
     assert by_rank[0] is not None and "failed on rank 1" in by_rank[0] and "boom" in by_rank[0]
     assert by_rank[1] is not None and "boom" in by_rank[1]
+
+
+def test_a_miscounting_or_exiting_reward_raises_on_every_rank(two):
+    """Counts were checked only in total: 4 + 1 and 4 - 1 values passed and trained on misaligned
+    rewards. A SystemExit on one rank skipped the gather and hung the other."""
+    by_rank = {r["rank"]: r for r in two}
+    assert "returned 4 values for the 3 rows it was given" in by_rank[0]["miscount_error"]
+    assert "returned 1 values for the 2 rows it was given" in by_rank[1]["miscount_error"]
+    assert "failed on rank 1" in by_rank[0]["exit_error"] and "SystemExit" in by_rank[0]["exit_error"]
+    assert by_rank[1]["exit_error"] is not None
 
 
 def test_contiguous_share_covers_every_item_once_in_order():

@@ -218,3 +218,17 @@ def test_rows_without_response_tokens_train_like_the_rest(tiny_model, char_tok, 
     # the empty row adds nothing: the same update as without it (its mini-batch takes no step)
     for k in results[0]:
         torch.testing.assert_close(results[0][k], results[1][k], atol=1e-7, rtol=1e-6)
+
+
+def test_logprob_gap_is_the_mean_over_the_rows_it_measured(tiny_model, char_tok):
+    """With shuffled mini-batches the gap was summed over the shuffled first mini-batch but divided
+    by the unshuffled first mini-batch's token count."""
+    batch = _batch(tiny_model)
+    state = rk.init(tiny_model, rk.optim.adamw(lr=1e-3), tokenizer=char_tok)
+    order = torch.randperm(8, generator=state.rng("shuffle", 0, device="cpu"))[:4]
+    lp, _ = model_logprobs(tiny_model, batch[order])
+    rows = batch[order]
+    expected = float(((lp - rows["logprobs"]).abs() * rows["response_mask"]).sum() / rows["response_mask"].sum())
+    assert float(batch[:4]["response_mask"].sum()) != float(rows["response_mask"].sum())  # the test can tell them apart
+    _, metrics = rk.update(state, batch, mini_batch_size=4, shuffle=True, max_logprob_gap=None)
+    assert metrics["actor/logprob_gap"] == pytest.approx(expected, rel=1e-5)
