@@ -361,6 +361,16 @@ def _model_optim_sd(model, optimizer) -> tuple[dict, dict | None, dict]:
     return msd, osd, {"initialized": True, "param_groups": None}
 
 
+def _trains_here(state: TrainState) -> bool:
+    """False on a split placement's generation ranks. Their actor is an untrained full copy and
+    their optimizer never steps (the training ranks hold the run's weights, as FSDP shards): saved
+    too, DCP wrote part of the actor from them, and a resumed run got initial weights for about
+    half the tensors. They neither save nor load the trained models; their engine receives the
+    weights from the training ranks at the next rollout, as after every update."""
+    split = state._cache.get("split")
+    return split is None or torch.distributed.get_rank() in split.actor_ranks
+
+
 def _state_dict(state: TrainState, save_ref: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """The DCP state dict of ``state`` (tensors by reference, no copies) and the trainer values."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -377,9 +387,10 @@ def _state_dict(state: TrainState, save_ref: bool) -> tuple[dict[str, Any], dict
         "optimizers": {},
         "schedulers": {},
     }
+    trains = _trains_here(state)
     for model_key, opt_key, sched_key in _TRAINED:
         model = getattr(state, model_key)
-        if model is None:
+        if model is None or not trains:
             continue
         optimizer = getattr(state, opt_key)
         msd, osd, info = _model_optim_sd(model, optimizer)
@@ -389,7 +400,14 @@ def _state_dict(state: TrainState, save_ref: bool) -> tuple[dict[str, Any], dict
         trainer["optimizers"][opt_key] = info
         scheduler = getattr(state, sched_key)
         trainer["schedulers"][sched_key] = scheduler.state_dict() if scheduler is not None else None
-    if save_ref and state.ref is not None:
+    split = state._cache.get("split")
+    if split is not None:
+        # the trainer values of the training ranks: DCP writes the bytes leaf from rank 0, which
+        # a placement may have made a generation rank
+        parts = [(trainer["optimizers"], trainer["schedulers"])]
+        torch.distributed.broadcast_object_list(parts, src=split.actor_ranks[0])
+        trainer["optimizers"], trainer["schedulers"] = parts[0]
+    if save_ref and state.ref is not None and trains:
         sd["ref"] = get_model_state_dict(state.ref, options=_sd_options())
     # python values as opaque bytes leaves: DCP writes them once (rank 0) and never flattens them
     sd["trainer"] = pickle.dumps(trainer)
@@ -696,9 +714,10 @@ def load(
         sd[rng_key] = b""
 
     plans = []
+    trains = _trains_here(template)
     for model_key, opt_key, sched_key in _TRAINED:
         model = getattr(template, model_key)
-        if model is None:
+        if model is None or not trains:
             continue
         optimizer = getattr(template, opt_key)
         info = trainer["optimizers"].get(opt_key, {"initialized": False, "param_groups": None})
@@ -712,7 +731,7 @@ def load(
 
             sd[model_key] = get_model_state_dict(model, options=_sd_options())
         plans.append((model_key, opt_key, sched_key, info))
-    if load_ref and template.ref is not None:
+    if load_ref and template.ref is not None and trains:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         sd["ref"] = get_model_state_dict(template.ref, options=_sd_options())
