@@ -25,7 +25,8 @@ def evaluate(
 ) -> dict[str, float]:
     """Mean reward (= accuracy for 0/1 rewards) of ``model`` on ``prompts``; greedy by default.
 
-    ``model``: a model, or a TrainState (its actor). ``prompts``: a PromptSet, a Prompts batch, or
+    ``model``: a model, or a TrainState (its actor; a state lowered with ``Pipeline.lower`` onto
+    colocated ranks generates with its rollout engine, so call it on every rank). ``prompts``: a PromptSet, a Prompts batch, or
     anything :func:`rlkit.load_prompts` reads. ``engine``: None (the built-in
     :class:`rlkit.engines.TorchEngine`), an engine name as :func:`rlkit.rollout` takes it ("torch",
     "hf", "vllm"), or an Engine object."""
@@ -33,6 +34,14 @@ def evaluate(
     from rlkit.transforms.score import score
     from rlkit.transforms.rollout import batch_from_generation as from_generation
 
+    lowered = None
+    from rlkit.state import TrainState
+
+    if isinstance(model, TrainState) and engine is None and ("dp" in model._cache or "split" in model._cache):
+        if "split" in model._cache:
+            raise ValueError("evaluate: this state is lowered onto a split placement, whose training ranks hold no rollout "
+                             "engine; evaluate with rk.rollout(state, prompts, temperature=0) and rk.score on every rank")
+        lowered = model  # its actor is FSDP shards: generate with its rollout engine, synced to them
     model = model_of(model, "evaluate")
     tokenizer = tokenizer_of(tokenizer, "evaluate")
     int_at_least(batch_size, "evaluate: batch_size", 1, " (prompts per generate call)")
@@ -47,7 +56,12 @@ def evaluate(
     for i, ids in enumerate(prompts.ids):  # numbered in the whole set, not in one generate call's chunk
         if not len(ids):
             raise DataError(f"evaluate: prompt {i} tokenized to zero tokens ({prompts.text[i]!r}); give non-empty prompts")
-    if engine is None:
+    if lowered is not None:
+        from rlkit.transforms.rollout import get_engine, sync_engine
+
+        eng = get_engine(lowered)
+        sync_engine(lowered, eng)  # a collective when the weights moved: every rank evaluates
+    elif engine is None:
         eng = TorchEngine.from_model(model)
     elif isinstance(engine, str):  # as rollout takes it: "torch", "hf" or "vllm"
         from rlkit.transforms.rollout import engine_for

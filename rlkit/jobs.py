@@ -277,14 +277,8 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     eval_set = task.test.take(range(min(opts.eval_size, len(task.test))))
 
     def accuracy(m, state=None) -> float:
-        engine = None
-        if state is not None and "dp" in state._cache:
-            # sharded actor: evaluate with the rollout engine, synced to the current weights
-            from rlkit.transforms.rollout import get_engine, sync_engine
-
-            engine = get_engine(state)
-            sync_engine(state, engine)
-        return evaluate(m, tok, eval_set, task.reward, max_new_tokens=task.max_new_tokens, engine=engine)["accuracy"]
+        # a lowered state evaluates with its rollout engine, synced to the sharded actor's weights
+        return evaluate(state if state is not None else m, tok, eval_set, task.reward, max_new_tokens=task.max_new_tokens)["accuracy"]
 
     if resume_from is None:
         sft_sink = ConsoleSink(opts.sft_steps, "warm-up", keys=("sft/loss",), console=console) if not opts.quiet and opts.sft_steps else None

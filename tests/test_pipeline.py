@@ -350,6 +350,34 @@ def test_split_placement_resumes_what_it_saved(tmp_path):
         assert mine["actor/grad_norm"] == pytest.approx(theirs["actor/grad_norm"], rel=1e-4)
 
 
+def _evaluate_worker():
+    from rlkit.parallel import init_distributed, shutdown
+
+    init_distributed("gloo")
+    try:
+        task = _task()
+        model = _model(task)
+        state = rk.Pipeline("grpo", reward=_digits).lower().shard(rk.init(model, _spec(), tokenizer=task.tokenizer))
+        state, _ = rk.update(state, _batch(_model(task), task))
+        return rk.evaluate(state, task.tokenizer, task.test, _digits, max_new_tokens=6)
+    finally:
+        shutdown()
+
+
+def test_evaluate_takes_a_lowered_state():
+    """evaluate(state) built its engine from the FSDP shards: 'weight ... is a DTensor (sharded)',
+    so a user's eval_fn had no supported path on several processes."""
+    from rlkit.parallel.local import run_local
+
+    results = run_local(_evaluate_worker, 2, timeout=240)
+    task = _task()
+    state = rk.init(_model(task), _spec(), tokenizer=task.tokenizer)
+    state, _ = rk.update(state, _batch(_model(task), task))
+    expected = rk.evaluate(state, task.tokenizer, task.test, _digits, max_new_tokens=6)
+    for r in results:
+        assert r == pytest.approx(expected)
+
+
 def test_split_placement_actor_and_rollout_on_different_ranks():
     """Actor (FSDP) on rank 0, rollout engine on rank 1: weights reach rank 1 by collectives after
     the update; tokens and parameters equal the single-process run."""
