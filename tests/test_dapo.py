@@ -91,3 +91,37 @@ def test_zero_variance_groups_are_counted_exactly():
     rewards = [v for v in values for _ in range(8)] + [1.0] * 7 + [1.5]  # four flat groups, one varied
     batch = make_batch([[3]] * 40, [[4]] * 40, group=[i // 8 for i in range(40)], rewards=rewards)
     assert reward_metrics(batch)["reward/zero_var_groups"] == pytest.approx(4 / 5)
+
+
+def _dapo_two_ranks():
+    from rlkit.parallel import init_distributed, shutdown
+
+    init_distributed("gloo")
+    try:
+        task = rk.tasks.arithmetic()
+        model = rk.models.tiny(task.tokenizer, seed=0, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+        recipe = rk.recipes.get("dapo").with_(n=3, max_new_tokens=4, max_attempts=1, overlong_buffer=0)
+
+        def reward(completions, prompts, **_):  # prompt "0+1=" always 0 (dropped), the rest 0, 1, 2 per group
+            seen: dict[str, int] = {}
+            out = []
+            for p in prompts:
+                k = seen[p] = seen.get(p, -1) + 1
+                out.append(0.0 if p.startswith("0+") else float(k))
+            return out
+
+        plan = rk.Pipeline(recipe, reward=reward).lower()
+        state = plan.shard(rk.init(model, rk.optim.adamw(lr=1e-3), tokenizer=task.tokenizer))
+        state, metrics = plan.step(state, [f"{i}+1=" for i in range(4)])
+        return metrics["dapo/trained_rows"], metrics["dapo/dropped_rows"]
+    finally:
+        shutdown()
+
+
+@pytest.mark.distributed
+def test_dapo_on_two_ranks_trains_an_even_share():
+    """3 informative groups of n=3 are 9 rows: update refused to split them over 2 ranks, at a step
+    that depended on the data. They train as 8."""
+    from rlkit.parallel.local import run_local
+
+    assert run_local(_dapo_two_ranks, 2, timeout=180) == [(8.0, 1.0)] * 2

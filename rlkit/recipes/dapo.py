@@ -85,6 +85,11 @@ class DAPO(Recipe):
         rows = batch.batch_size[0]
         if mini and rows > mini and rows % mini:
             batch = batch[: rows // mini * mini]
+        dp = state._cache.get("dp")
+        if dp is not None and batch.batch_size[0] % dp.size:
+            # on several data-parallel ranks every rank trains an equal share: 9 rows on 2 ranks were
+            # refused by update at a step that depended on the data
+            batch = batch[: batch.batch_size[0] // dp.size * dp.size]
         state, metrics = update(state, batch, **{**self.update_kwargs(), "mini_batch_size": mini if mini and mini <= batch.batch_size[0] else None})
         extra = {"dapo/kept_frac": batch.batch_size[0] / max(sampled, 1), "dapo/attempts": float(attempts),
                  "dapo/trained_rows": float(batch.batch_size[0]), "dapo/dropped_rows": float(rows - batch.batch_size[0])}
