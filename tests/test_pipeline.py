@@ -206,6 +206,8 @@ def test_rollout_on_two_replicas_equals_one_process():
         width = after["response_ids"].shape[1]
         assert torch.equal(r["after_ids"][:, :width], after["response_ids"])
         assert r["sync"]["sync/bytes"] > 0  # the weights really moved
+        # the gathered batch's count on every rank (each rank reported its own replica's share)
+        assert r["sync"]["rollout/tokens"] == float(after["response_mask"].sum())
 
 
 def test_local_lowering_is_the_identity():

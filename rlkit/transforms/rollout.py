@@ -182,7 +182,10 @@ def _with_metrics(batch: Batch, seconds: float, extra: dict[str, float]) -> Batc
         "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
         "rollout/truncated_frac": float(batch["truncated"].float().mean()),
         "rollout/response_len": tokens / batch.batch_size[0],
-        **extra,
+        **extra,  # the engine's own figures (rollout/seconds: its generate time)
+        # the whole (gathered) batch's count: the engine's is its replica's share, so ranks reported
+        # different rollout/tokens
+        "rollout/tokens": tokens,
     })
     return batch
 
