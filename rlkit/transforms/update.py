@@ -20,6 +20,7 @@ handle raises :class:`rlkit.state.DonatedStateError` if used again.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import warnings
@@ -208,9 +209,7 @@ def update(
         if mini_batch_size and mini_batch_size % dp.size:
             raise ValueError(f"mini_batch_size={mini_batch_size} must be divisible by the {dp.size} data-parallel ranks")
         shard_rows(batch, dp.mesh)  # raises when the rows do not split evenly over the ranks
-
-        def shard(rows):
-            return shard_rows(rows, dp.mesh)
+        shard = functools.partial(shard_rows, mesh=dp.mesh)
     split = state._cache.get("split")
     if split is not None and torch.distributed.get_rank() not in split.actor_ranks:
         # split placement, a generation rank: the actor ranks train; receive their metrics
