@@ -400,12 +400,14 @@ def _check_torchrun_args(args) -> None:
     try:
         count = int(nproc)
     except ValueError:
-        if nproc not in _NPROC_WORDS:
+        import torch
+
+        # torchrun also takes the name of a registered out-of-tree backend (privateuse1)
+        custom = torch._C._get_privateuse1_backend_name()  # "privateuseone" until a backend renames it
+        if nproc not in _NPROC_WORDS and (nproc != custom or custom == "privateuseone"):
             raise ValueError(f"--nproc-per-node is {nproc!r}; give a number of workers on this machine >= 1 "
                              f"(e.g. --nproc-per-node 2) or one of {', '.join(_NPROC_WORDS)} (one per core/GPU)") from None
         if nproc == "gpu":
-            import torch
-
             if not torch.cuda.is_available():
                 raise ValueError("--nproc-per-node is 'gpu' (one worker per GPU), but this torch sees no CUDA GPU; "
                                  "give a number of workers (e.g. --nproc-per-node 2), or cpu / auto") from None

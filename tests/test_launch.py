@@ -153,6 +153,16 @@ def test_torchrun_argv_refuses_bad_sizes_naming_the_flag():
             torchrun_argv([*argv, "train.py"])
     for ok in (["--nproc-per-node", "auto"], ["--nproc-per-node", "cpu"], ["--nnodes", "1:2", "--rdzv-endpoint", "h:1"]):
         assert torchrun_argv([*ok, "train.py"])[-1] == "train.py"
+    # an out-of-tree backend's name, as torchrun takes it, once the backend has renamed privateuse1
+    with pytest.raises(ValueError, match="^--nproc-per-node is 'privateuseone'"):
+        torchrun_argv(["--nproc-per-node", "privateuseone", "train.py"])
+
+
+def test_torchrun_argv_takes_a_registered_backend_name(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch._C, "_get_privateuse1_backend_name", lambda: "npu")
+    assert torchrun_argv(["--nproc-per-node", "npu", "train.py"])[-1] == "train.py"
 
 
 def test_emit_outside_launch_is_a_no_op(monkeypatch, tmp_path):
