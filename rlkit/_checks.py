@@ -23,6 +23,12 @@ def int_at_least(value, name: str, minimum: int = 1, hint: str = "") -> None:
         raise ValueError(f"{name} must be {need}{hint}, got {value!r}")
 
 
+def unit_interval(value, name: str) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is a real number in ``[0, 1]`` (NaN fails)."""
+    if not is_real(value) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+
+
 def positive_finite_or_none(value, name: str, none: str) -> None:
     """Raise ``ValueError`` naming ``name`` unless ``value`` is None or a finite number > 0;
     ``none`` says what None means (``"no clipping"``)."""

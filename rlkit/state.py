@@ -147,6 +147,11 @@ class TrainState:
         return generator(fold_in(self.seed, self.step, *path), device=device or self.device)
 
 
+def _shares_parameters(a: nn.Module, b: nn.Module) -> bool:
+    """``a`` is ``b`` or holds one of its parameters (a reference that would train with the actor)."""
+    return a is b or not {id(p) for p in a.parameters()}.isdisjoint(id(p) for p in b.parameters())
+
+
 def _holds(optimizer, module) -> bool:
     """Whether ``optimizer`` steps parameters of ``module`` (every one it holds is the module's)."""
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -158,7 +163,7 @@ def _optimizers_follow(values: dict, new: set[str], changes: dict) -> None:
     actor with itself. The optimizers stayed bound to the replaced models' parameters: a new actor
     or critic reported gradient norms and never changed (``values`` is updated in place)."""
     actor, ref = values["actor"], values["ref"]
-    if ref is not None and (ref is actor or not {id(p) for p in ref.parameters()}.isdisjoint(id(p) for p in actor.parameters())):
+    if ref is not None and _shares_parameters(ref, actor):
         raise ValueError("TrainState.replace: ref is the actor itself (or shares its parameters); the KL to it would stay 0 "
                          "and freezing it would freeze the actor. Pass a frozen copy (copy.deepcopy(actor)) or ref=None")
     for model_key, opt_key, sched_key, spec_key in (("actor", "optimizer", "scheduler", "optimizer_spec"),
@@ -324,7 +329,7 @@ def _check_init_args(model, optimizer, tokenizer, ref, critic, critic_optimizer)
     elif ref is not None:
         if not isinstance(ref, nn.Module):
             raise TypeError(f"ref must be a model, None or 'copy' (a frozen copy of the actor), got {type(ref).__name__}")
-        if ref is model or not {id(p) for p in ref.parameters()}.isdisjoint(id(p) for p in model.parameters()):
+        if _shares_parameters(ref, model):
             # freezing the reference would freeze the actor too, and the KL to itself is zero
             raise ValueError("ref is the actor itself (or shares its parameters): the reference must stay frozen while "
                              "the actor trains; pass ref='copy' for a frozen snapshot of the actor")

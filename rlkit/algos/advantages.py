@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from rlkit._checks import is_real
+from rlkit._checks import unit_interval
 from rlkit.algos.registry import Registry
 from rlkit.algos.stats import masked_whiten
 
@@ -172,10 +172,9 @@ def gae(
     """
     _require("values", values, "gae", "run the critic first (batch field 'values')")
     _check_tokens(token_rewards, response_mask, values=values)
-    for name, x in (("gamma", gamma), ("lam", lam)):
-        # gamma=2 made returns blow up, lam=nan every advantage NaN: both were accepted
-        if not is_real(x) or not 0 <= x <= 1:
-            raise ValueError(f"gae: {name} must be a number in [0, 1], got {x!r}")
+    # gamma=2 made returns blow up, lam=nan every advantage NaN: both were accepted
+    unit_interval(gamma, "gae: gamma")
+    unit_interval(lam, "gae: lam")
     mask = response_mask.bool()
     rewards = torch.where(mask, token_rewards, 0.0)
     vals = torch.where(mask, values, 0.0).to(token_rewards.dtype)

@@ -116,3 +116,22 @@ def pick_pad_token_id(config, pad_token_id: int | None = None) -> int:
         if value is not None:
             return int(value)
     return 0
+
+
+def left_pad_prompts(prompts: Sequence[Sequence[int]], pad_token_id: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids (b p) long, mask (b p) bool)``: the prompts left-padded to the longest, refused
+    (naming the prompt) when empty or holding ids outside ``[0, vocab)``: every engine's input check."""
+    if len(prompts) == 0:
+        raise ValueError("generate: prompt_ids is empty; pass at least one prompt")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for i, prompt in enumerate(prompts):
+        row = list(prompt)
+        if not row:
+            raise ValueError(f"generate: prompt {i} is empty; every prompt needs at least one token (e.g. a BOS token)")
+        if min(row) < 0 or max(row) >= vocab:
+            raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab}): {row[:10]}...")
+        ids[i, width - len(row) :] = torch.tensor(row)
+        mask[i, width - len(row) :] = True
+    return ids, mask

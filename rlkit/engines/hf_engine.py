@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from rlkit.engines.base import Generation, SamplingParams
+from rlkit.engines.base import Generation, SamplingParams, left_pad_prompts
 
 
 def _pad_id(tokenizer_or_pad_id) -> int:
@@ -112,20 +112,10 @@ class HFEngine:
         from transformers import GenerationConfig
 
         start = time.perf_counter()
-        if len(prompt_ids) == 0:
-            raise ValueError("generate: prompt_ids is empty; pass at least one prompt")
-        width = max(len(p) for p in prompt_ids)
-        vocab = self.model.get_input_embeddings().num_embeddings
-        ids = torch.full((len(prompt_ids), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-        for i, prompt in enumerate(prompt_ids):
-            row = list(prompt)
-            if not row:
-                raise ValueError(f"generate: prompt {i} is empty; every prompt needs at least one token")
-            if min(row) < 0 or max(row) >= vocab:  # as TorchEngine: the embedding's IndexError named neither
-                raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab}): {row[:10]}...")
-            ids[i, width - len(prompt) :] = torch.as_tensor(row)
-            mask[i, width - len(prompt) :] = 1
+        # as TorchEngine: an empty prompt or an id outside the vocabulary named (the embedding's IndexError named neither)
+        ids, mask = left_pad_prompts(prompt_ids, self.pad_token_id, self.model.get_input_embeddings().num_embeddings)
+        mask = mask.long()
+        width = ids.shape[1]
         device = self.device
         # rows prompt-major (i * n + j), expanded here so greedy n > 1 works too
         ids = ids.repeat_interleave(params.n, dim=0).to(device)

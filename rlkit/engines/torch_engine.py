@@ -94,7 +94,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlkit._triton import lazy_kernels
-from rlkit.engines.base import Generation, SamplingParams, pick_pad_token_id
+from rlkit.engines.base import Generation, SamplingParams, left_pad_prompts, pick_pad_token_id
 
 #: Triton and ``triton.language``, put here by :func:`rlkit._triton.lazy_kernels` when the kernels
 #: are first built (None before that, and on machines without Triton)
@@ -1206,21 +1206,7 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ generate
     def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(prompts) == 0:
-            raise ValueError("generate: prompt_ids is empty; pass at least one prompt")
-        vocab = self.weights["model.embed_tokens.weight"].shape[0]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-        for i, prompt in enumerate(prompts):
-            row = list(prompt)
-            if not row:
-                raise ValueError(f"generate: prompt {i} is empty; every prompt needs at least one token (e.g. a BOS token)")
-            if min(row) < 0 or max(row) >= vocab:
-                raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab}): {row[:10]}...")
-            ids[i, width - len(row) :] = torch.tensor(row)
-            mask[i, width - len(row) :] = True
-        return ids, mask
+        return left_pad_prompts(prompts, self.pad_token_id, self.weights["model.embed_tokens.weight"].shape[0])
 
     def _new_plan(self, key: tuple, b: int, p: int, steps: int, params: SamplingParams, fused_sampler: bool) -> _Plan:
         total = p + steps

@@ -10,6 +10,14 @@ from rlkit._checks import int_at_least, positive_finite_or_none
 from rlkit.batch import Batch
 
 
+def group_reward_range(inverse: torch.Tensor, groups: int, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` of the rewards of each of ``groups`` groups; ``inverse[i]``: row ``i``'s group."""
+    r = rewards.float()
+    lo = torch.full((groups,), float("inf")).scatter_reduce(0, inverse, r, "amin")
+    hi = torch.full((groups,), float("-inf")).scatter_reduce(0, inverse, r, "amax")
+    return lo, hi
+
+
 def reward_metrics(batch: Batch) -> dict[str, float]:
     """Mean reward, per-reward means, response length and the fraction of zero-variance groups."""
     rewards = batch["rewards"]
@@ -25,9 +33,7 @@ def reward_metrics(batch: Batch) -> dict[str, float]:
     if (counts > 1).any():
         # all rewards of the group equal (GRPO's advantages all zero): compared exactly, as max and
         # min. E[x^2] - E[x]^2 in float32 left identical rewards of 0.7 or 3.3 a variance > 1e-12
-        r = rewards.float()
-        lo = torch.full((len(counts),), float("inf")).scatter_reduce(0, inverse, r, "amin")
-        hi = torch.full((len(counts),), float("-inf")).scatter_reduce(0, inverse, r, "amax")
+        lo, hi = group_reward_range(inverse, len(counts), rewards)
         out["reward/zero_var_groups"] = float((hi == lo).float().mean())
     out["response/len_mean"] = float(batch["response_mask"].sum(-1).float().mean())
     if "truncated" in batch.keys():

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from rlkit._checks import int_at_least
-from rlkit.recipes.base import Recipe, reward_metrics
+from rlkit.recipes.base import Recipe, group_reward_range, reward_metrics
 from rlkit.state import fold_in
 from rlkit.transforms.advantage import advantage
 from rlkit.transforms.rollout import concat, rollout_metrics
@@ -33,9 +33,7 @@ def keep_informative_groups(batch):
     """Rows of groups whose rewards are not all equal (the rest carry no GRPO signal)."""
     group, rewards = batch["group"], batch["rewards"]
     _, inverse = torch.unique(group, return_inverse=True)
-    g = int(inverse.max()) + 1
-    lo = torch.full((g,), float("inf")).scatter_reduce(0, inverse, rewards, "amin")
-    hi = torch.full((g,), float("-inf")).scatter_reduce(0, inverse, rewards, "amax")
+    lo, hi = group_reward_range(inverse, int(inverse.max()) + 1, rewards)
     keep = (hi - lo > 1e-9)[inverse]
     return batch[keep.nonzero().flatten()]
 

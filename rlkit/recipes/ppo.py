@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlkit._checks import is_real, positive_finite_or_none
+from rlkit._checks import positive_finite_or_none, unit_interval
 from rlkit.recipes.base import Recipe, reward_metrics
 from rlkit.transforms.advantage import advantage
 from rlkit.transforms.forward import compute_values
@@ -28,10 +28,8 @@ class PPO(Recipe):
         super().__post_init__()
         # checked when the recipe is built, as the other knobs are: gamma=2, lam=nan or
         # value_clip=-1 were accepted and trained on nonsense (value_clip=None failed at the update)
-        for name in ("gamma", "lam"):
-            value = getattr(self, name)
-            if not is_real(value) or not 0 <= value <= 1:
-                raise ValueError(f"PPO.{name} must be a number in [0, 1], got {value!r}")
+        unit_interval(self.gamma, "PPO.gamma")
+        unit_interval(self.lam, "PPO.lam")
         positive_finite_or_none(self.value_clip, "PPO.value_clip", "no value clipping")
 
     def needs_critic(self) -> bool:
