@@ -315,6 +315,42 @@ class _ShardedReward:
         def compute():
             if hi <= lo:
                 return []
-            return list(self.fn(cut(completions), *[cut(v) for v in rest], **{k: cut(v) for k, v in kwargs.items()}))
+            mine, args, kw = cut(completions), [cut(v) for v in rest], {k: cut(v) for k, v in kwargs.items()}
+            try:
+                return list(self.fn(mine, *args, **kw))
+            except Exception as exc:  # noqa: BLE001 - re-raised naming the first row that fails alone
+                n = hi - lo
+
+                def one(v, j):
+                    return v[j : j + 1] if isinstance(v, list) and len(v) == n else v
+
+                def alone(j):
+                    return self.fn(mine[j : j + 1], *[one(v, j) for v in args], **{k: one(v, j) for k, v in kw.items()})
+
+                prompts = kw.get("prompts") if isinstance(kw.get("prompts"), list) else []
+                raise self._failing_row(exc, n, alone, lo, prompts, mine) from exc
 
         return self._gather(compute, max(hi - lo, 0))
+
+    def _failing_row(self, exc: Exception, n: int, alone, lo: int, prompts, completions) -> Exception:
+        """``exc`` (raised on this rank's ``n`` rows) re-made to name the first of them that fails
+        on its own (``alone(j)`` scores row ``j`` of the share; ``lo``: the share's first global
+        row), as :func:`rlkit.score` names the sample on one process. The rows are retried here, on
+        this rank, with no collective in between."""
+        from rlkit.transforms.score import _sample_desc
+
+        for j in range(n):
+            try:
+                alone(j)
+            except Exception:  # noqa: BLE001
+                return _with_note(exc, f"on {_sample_desc(None, j, prompts, completions, number=lo + j)}")
+        return _with_note(exc, f"(on rows {lo}-{lo + n - 1} together; every row alone succeeded)")
+
+
+def _with_note(exc: Exception, note: str) -> Exception:
+    """An exception of ``exc``'s type whose message ends with ``note`` (a RuntimeError naming the
+    type where that type takes other constructor arguments)."""
+    try:
+        return type(exc)(f"{exc} {note}")
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(exc).__name__}: {exc} {note}")

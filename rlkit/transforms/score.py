@@ -118,10 +118,12 @@ def _texts(batch: Batch, name: str, tokenizer) -> Sequence[str]:
     return LazyRows(batch.batch_size[0], decode)
 
 
-def _sample_desc(batch: Batch, i: int, prompts: Sequence[str], completions: Sequence[str]) -> str:
+def _sample_desc(batch: Batch | None, i: int, prompts: Sequence[str], completions: Sequence[str], number: int | None = None) -> str:
+    """Row ``i``'s prompt and response, clipped, as errors name a sample (``number``: the row's
+    number in the whole batch where ``prompts``/``completions`` are a share of it)."""
     p, c = (prompts[i] if i < len(prompts) else "?"), (completions[i] if i < len(completions) else "?")
     clip = lambda s: s if len(s) <= 80 else s[:77] + "..."  # noqa: E731
-    return f"sample {i} (prompt {clip(p)!r}, response {clip(c)!r})"
+    return f"sample {i if number is None else number} (prompt {clip(p)!r}, response {clip(c)!r})"
 
 
 def _call_trl(fn, batch, prompts, completions) -> list[Any]:

@@ -30,7 +30,7 @@ def vllm_importable():
     """Import vllm when these tests run, not when pytest collects (its import has side effects)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
-        import vllm  # noqa: F401
+        importlib.import_module("vllm")
     except Exception as e:  # ImportError, or a broken install (e.g. CUDA-linked torchvision on CPU)
         pytest.skip(f"vllm is installed but not importable ({type(e).__name__}: {str(e)[:200]}); {INSTALL_HINT}")
 

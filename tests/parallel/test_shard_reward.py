@@ -95,6 +95,15 @@ def _job() -> dict:
     except RewardError as exc:
         out["error"] = str(exc)
 
+    def fails_on_ddd(completions, **kwargs):  # row 3 of 5: the second row of rank 1's share
+        return [1.0 / (c != "ddd") for c in completions]
+
+    try:
+        score(_batch(), shard_reward(fails_on_ddd))
+        out["row_error"] = None
+    except RewardError as exc:
+        out["row_error"] = str(exc)
+
     def miscounts(completions, **kwargs):  # rank 0 one value too many, rank 1 one too few
         return [1.0] * (len(completions) + (1 if rank == 0 else -1))
 
@@ -144,6 +153,16 @@ def test_a_reward_failing_on_one_rank_raises_on_both(two):
     by_rank = {r["rank"]: r["error"] for r in two}
     assert by_rank[0] is not None and "failed on rank 1" in by_rank[0] and "boom" in by_rank[0]
     assert by_rank[1] is not None and "boom" in by_rank[1]
+
+
+def test_a_sharded_reward_error_names_the_failing_sample(two):
+    """On one process score names the sample a reward fails on; sharded, the error named only the
+    rank. Now the failing rank retries its own rows one by one and every rank's error names the
+    sample by its row in the whole batch, with its response."""
+    by_rank = {r["rank"]: r for r in two}
+    for r in (0, 1):
+        assert "ZeroDivisionError" in by_rank[r]["row_error"] and "on sample 3 (prompt 'p', response 'ddd')" in by_rank[r]["row_error"]
+    assert "failed on rank 1" in by_rank[0]["row_error"]
 
 
 def test_a_miscounting_or_exiting_reward_raises_on_every_rank(two):
