@@ -86,8 +86,10 @@ def warmup(
 
     ``examples`` is a list or any iterable (a generator is read once, up front). An example with
     characters the tokenizer encodes as its unknown token (rlkit's character tokenizer does for
-    any character outside its alphabet) is refused with a ``ValueError`` naming them, when it is
-    first drawn. ``sft/lr`` is the learning rate the step trained with.
+    any character outside its alphabet), or longer than the model's context, is refused with a
+    ``ValueError`` naming it, before the first step: the steps' draws are made first and every
+    example drawn is checked (one never drawn is not). ``sft/lr`` is the learning rate the step
+    trained with.
 
     ``sinks`` (as :func:`rlkit.fit`'s: a progress bar, a notebook dashboard, a JSONL file) and
     ``on_step`` get ``(steps done, metrics)`` after every step, so the last call says ``steps``::
@@ -123,17 +125,20 @@ def warmup(
     rng = random.Random(seed)
     history = []
     sinks = list(sinks) + ([CallbackSink(on_step)] if on_step is not None else [])
-    # each example is tokenized once, on its first draw, not once per draw (with the default job's
-    # character tokenizer that saves ~1% of a step; slower tokenizers and longer texts save more)
+    # every step's draws first, then each drawn example tokenized and checked once, before the first
+    # step: an example refused (unknown characters, too long) stops the warm-up before it trains,
+    # not after the steps that happened to come before its first draw. Examples never drawn are not
+    # tokenized (a large dataset pays for the draws only), as when each was encoded on first draw
+    draws = [[rng.randrange(len(examples)) for _ in range(batch_size)] for _ in range(steps)]
     encoded: dict[int, tuple[list[int], list[int]]] = {}
+    for picks in draws:
+        for i in picks:
+            if i not in encoded:
+                encoded[i] = _encode_checked(model, tokenizer, examples[i], i)
     was_training = model.training
     model.train()
     try:
-        for step in range(steps):
-            picks = [rng.randrange(len(examples)) for _ in range(batch_size)]
-            for i in picks:
-                if i not in encoded:
-                    encoded[i] = _encode_checked(model, tokenizer, examples[i], i)
+        for step, picks in enumerate(draws):
             batch = _batch_of(tokenizer, [encoded[i] for i in picks]).to(device)
             logprobs, _ = response_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"])
             mask = batch["response_mask"]

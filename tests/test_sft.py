@@ -178,6 +178,13 @@ def test_warmup_refuses_characters_the_tokenizer_encodes_as_unknown():
     with pytest.raises(ValueError, match="warmup: example 0's prompt '2×3=' has characters the tokenizer does not know: \\['×'\\]"):
         warmup(model, tok, [("2×3=", "6")], steps=2, batch_size=2)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # refused before any step
+    # a bad example among good ones was refused when first drawn, after the steps before that draw
+    # had trained; now every draw is checked before the first step
+    good = [(f"{a}+{b}=", str(a + b)) for a in range(10, 20) for b in range(10, 14)]
+    seen: list[int] = []
+    with pytest.raises(ValueError, match="warmup: example 40's completion '1 ✓'"):
+        warmup(model, tok, good + [("0+1=", "1 ✓")], steps=30, batch_size=2, on_step=lambda step, m: seen.append(step))
+    assert seen == [] and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="sft_batch: pair 1's completion 'six' has characters .*\\['s', 'i', 'x'\\]"):
         sft_batch(tok, [("1+1=", "2"), ("3+3=", "six")])
     # "<unk>" written out is that token too, and refused; where the unknown token is also EOS (GPT-2's
