@@ -32,9 +32,12 @@ import math
 import numbers
 import os
 import re
+import signal
+import socket
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import uuid
 from typing import Any, Callable
@@ -112,18 +115,28 @@ def _worker(payload: bytes, run_dir: str) -> tuple[int, bytes]:
         # Without this every worker starts one thread per core and they oversubscribe the CPU.
         local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    # this worker's pid, and a marker once Python leaves fn by any road (a return, an exception,
+    # sys.exit): the caller's watchdog (_Tail.check_workers) tells from them a process that ended
+    # without either, e.g. os._exit(0) inside fn, which torch elastic would wait on forever
+    marker = os.path.join(run_dir, "workers", f"rank{rank}")
+    _write_atomic(marker + ".pid", f"{socket.gethostname()} {os.getpid()}")
     try:
-        fn, args, kwargs = cloudpickle.loads(payload)
-        result = fn(*args, **kwargs)
-    except BaseException:
-        text = traceback.format_exc()
-        path = os.path.join(run_dir, "errors", f"rank{rank}.txt")
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
-        raise
-    _teardown_process_group()
-    return rank, cloudpickle.dumps(result)
+        try:
+            fn, args, kwargs = cloudpickle.loads(payload)
+            result = fn(*args, **kwargs)
+        except BaseException:
+            _write_atomic(os.path.join(run_dir, "errors", f"rank{rank}.txt"), traceback.format_exc())
+            raise
+        _teardown_process_group()
+        return rank, cloudpickle.dumps(result)
+    finally:
+        _write_atomic(marker + ".done", "")
+
+
+def _write_atomic(path: str, text: str) -> None:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def _teardown_process_group() -> None:
@@ -152,6 +165,9 @@ class _Tail(threading.Thread):
         self._partial: dict[str, str] = {}
         self._stop_event = threading.Event()
         self.callback_error: BaseException | None = None
+        #: global ranks of this machine whose process ended without leaving fn (see check_workers)
+        self.vanished: list[int] = []
+        self._checked = 0.0
         if echo_logs:
             # a reused run_dir keeps earlier runs' logs (each run writes its own subfolder): follow
             # them from their end, or this run echoed every earlier run's output before its own
@@ -186,7 +202,40 @@ class _Tail(threading.Thread):
             self._partial[path] = lines[-1]
         return lines[:-1]
 
+    def check_workers(self) -> list[int]:
+        """Global ranks on this machine whose process is gone (or a zombie) without the marker a
+        worker writes when Python leaves ``fn`` by any road: ``os._exit(0)`` inside ``fn``, say.
+        torch elastic counts on a return value from every worker and would poll forever for it."""
+        host, out = socket.gethostname(), []
+        for path in glob.glob(os.path.join(self.run_dir, "workers", "rank*.pid")):
+            if os.path.exists(path[: -len(".pid")] + ".done"):
+                continue
+            try:
+                with open(path, encoding="utf-8") as f:
+                    where, pid = f.read().split()
+            except (OSError, ValueError):
+                continue
+            if where == host and not _alive(int(pid)):
+                out.append(int(re.search(r"rank(\d+)\.pid$", path).group(1)))
+        return sorted(out)
+
+    def _watch(self) -> None:
+        """Once a second: a worker that vanished ends the launch. The caller's thread waits inside
+        torch elastic, which stops its workers and returns on SIGTERM (its own handler); without
+        that handler (a launch outside the main thread) nothing is sent."""
+        now = time.monotonic()
+        if self.vanished or now - self._checked < 1.0:
+            return
+        self._checked = now
+        gone = self.check_workers()
+        if gone:
+            self.vanished = gone
+            handler = signal.getsignal(signal.SIGTERM)
+            if callable(handler) and getattr(handler, "__module__", "").startswith("torch.distributed.elastic"):
+                os.kill(os.getpid(), signal.SIGTERM)
+
     def poll(self) -> None:
+        self._watch()
         for path in sorted(glob.glob(os.path.join(self.run_dir, "metrics", "rank*.jsonl"))):
             rank = int(re.search(r"rank(\d+)\.jsonl$", path).group(1))
             for line in self._new_lines(path):
@@ -207,6 +256,21 @@ class _Tail(threading.Thread):
                 stream = sys.stderr if path.endswith("stderr.log") else sys.stdout
                 for line in self._new_lines(path):
                     print(f"[{local_rank}] {line}", file=stream, flush=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): running as far as kill can tell
 
 
 def print_metrics(rank: int, metrics: dict) -> None:
@@ -303,6 +367,7 @@ def launch(
     """
     import cloudpickle
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -317,11 +382,11 @@ def launch(
         )
     run_dir = os.path.abspath(run_dir or tempfile.mkdtemp(prefix="rlkit_run_"))
     try:
-        for sub in ("metrics", "errors", "logs"):
+        for sub in ("metrics", "errors", "logs", "workers"):
             os.makedirs(os.path.join(run_dir, sub), exist_ok=True)
     except (FileExistsError, NotADirectoryError) as e:  # a file where a directory of the path should be
         raise ValueError(f"launch: run_dir={run_dir!r} cannot be used as a directory: {e}") from e
-    for stale in glob.glob(os.path.join(run_dir, "errors", "*")) + glob.glob(os.path.join(run_dir, "metrics", "*")):
+    for stale in [p for sub in ("errors", "metrics", "workers") for p in glob.glob(os.path.join(run_dir, sub, "*"))]:
         os.remove(stale)  # a reused run_dir must not replay an old run's metrics or errors
     payload = cloudpickle.dumps((fn, args, kwargs))
     config = LaunchConfig(
@@ -341,6 +406,10 @@ def launch(
         results = elastic_launch(config, _worker)(payload, run_dir)
     except ChildFailedError as e:
         raise _worker_error(run_dir, e) from None
+    except SignalException:
+        if tail.vanished:  # the watchdog's own SIGTERM: a worker ended without leaving fn
+            raise _vanished_error(run_dir, tail.vanished) from None
+        raise
     finally:
         tail.stop()
     if tail.callback_error is not None:
@@ -366,6 +435,16 @@ def _no_result_error(run_dir: str, ranks: list[int]) -> WorkerError:
         "of the run (its peers' collectives would wait for it); return from fn instead"
     )
     return WorkerError(ranks[0], failures[ranks[0]], failures, summary=summary)
+
+
+def _vanished_error(run_dir: str, ranks: list[int]) -> WorkerError:
+    """Workers whose process ended while running ``fn`` without an exception (``os._exit(0)``,
+    a library calling C ``exit``): torch elastic waits for their results forever; launch stops
+    the run instead."""
+    text = "(none: the process ended with no Python exception, e.g. os._exit() inside fn)"
+    summary = (f"worker rank(s) {ranks} ended while running fn, without returning or raising (os._exit() inside it, or a "
+               "library that exits the process), so launch has no result from them and stopped the run; return from fn instead")
+    return WorkerError(ranks[0], text, {r: text for r in ranks}, summary=summary)
 
 
 def _worker_error(run_dir: str, error) -> WorkerError:

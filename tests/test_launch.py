@@ -234,6 +234,41 @@ def test_a_worker_that_exits_with_status_0_is_a_worker_error(tmp_path, monkeypat
     assert "rank(s) [1]" in str(error) and "without returning" in str(error)
 
 
+VANISHING = textwrap.dedent(
+    """
+    import json, os, sys
+    from rlkit.launch import WorkerError, launch
+
+    def ends_without_a_word():
+        if os.environ["RANK"] == "1":
+            os._exit(0)  # no exception, no return: torch elastic waited for its result forever
+        return "rank 0 is fine"
+
+    if __name__ == "__main__":
+        try:
+            launch(ends_without_a_word, nproc_per_node=2, run_dir=sys.argv[1], echo_logs=False)
+            print("RESULT null", flush=True)
+        except WorkerError as e:
+            print("RESULT " + json.dumps({"rank": e.rank, "failures": sorted(e.failures), "message": str(e)}), flush=True)
+    """
+)
+
+
+def test_a_worker_that_ends_without_returning_or_raising_stops_the_launch(tmp_path, child_env):
+    """os._exit(0) inside fn: the process ends with status 0 and no result, which torch elastic
+    polls for forever (the launch hung). A watchdog in the caller sees the process gone without
+    leaving fn and stops the run with a WorkerError naming the rank."""
+    script = tmp_path / "vanish.py"
+    script.write_text(VANISHING)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=120, env=child_env(1))
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+    assert out["rank"] == 1 and out["failures"] == [1]
+    assert "rank(s) [1] ended while running fn" in out["message"] and "os._exit" in out["message"]
+
+
 def test_a_reused_run_dir_echoes_only_this_runs_output(tmp_path, monkeypatch, capsys):
     """Every earlier run's worker logs under run_dir/logs were echoed again before this run's own."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
