@@ -16,7 +16,10 @@ Atomicity: everything is written into ``step_000123.tmp-<uuid>``; ``COMPLETE`` i
 fsynced last, then the directory is renamed to ``step_000123`` (a rename is atomic on POSIX
 file systems). A crash at any point leaves either the previous checkpoints untouched plus a
 ``*.tmp-*`` directory (ignored, then deleted by the next :class:`Checkpointer`), or the new
-complete checkpoint. A directory without ``COMPLETE`` is never loaded.
+complete checkpoint. A directory without ``COMPLETE`` is never loaded. Replacing a checkpoint of
+the same step renames the old one away just before the new one goes in: a failed rename puts the
+old one back, and a crash in between leaves a complete ``*.tmp-*``, which the next
+:class:`Checkpointer` renames into place (see :func:`cleanup`).
 
 Timelines: saving step k next to checkpoints of later steps (the run was restored from an older
 one) moves those into ``<root>/abandoned/``, where nothing looks for the newest (see :func:`save`).
@@ -36,6 +39,7 @@ process group); ``root`` must be a file system that every rank sees.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -48,6 +52,7 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -166,11 +171,24 @@ def cleanup(root: str | os.PathLike) -> list[Path]:
     """Delete leftovers of interrupted saves under ``root`` (``*.tmp-*``, ``*.old-*``, and
     ``step_*`` directories without a ``COMPLETE`` marker). Returns what was removed.
 
+    One exception: a ``step_<k>.tmp-*`` that has its ``COMPLETE`` marker (written last) when there
+    is no complete ``step_<k>`` is a finished save that a crash stopped just before its rename
+    (replacing an older ``step_<k>`` renames that one away first): it is renamed into place, not
+    deleted, so that a crash inside the swap never loses both the old and the new checkpoint.
+
     Only call this when no save is in progress (a :class:`Checkpointer` does, on creation)."""
     root = Path(root)
     removed = []
     if not root.is_dir():
         return removed
+    for entry in sorted(root.iterdir()):
+        m = _GARBAGE.match(entry.name)
+        if m and m.group(2) == "tmp" and entry.is_dir() and (entry / MARKER).is_file():
+            final = root / step_dir_name(int(m.group(1)))
+            if not (final / MARKER).is_file():
+                if final.exists():
+                    shutil.rmtree(final, ignore_errors=True)  # marker-less: an interrupted save
+                os.replace(entry, final)
     for entry in root.iterdir():
         if not entry.is_dir():
             continue
@@ -384,6 +402,7 @@ def _state_dict(state: TrainState, save_ref: bool) -> tuple[dict[str, Any], dict
         "data_position": int(state.data_position),
         "extras": dict(state.extras),
         "optimizer_spec": state.optimizer_spec.to_dict() if state.optimizer_spec is not None else None,
+        "critic_optimizer_spec": state.critic_optimizer_spec.to_dict() if state.critic_optimizer_spec is not None else None,
         "optimizers": {},
         "schedulers": {},
     }
@@ -477,10 +496,12 @@ def save(
 ) -> Path:
     """Write ``state`` to ``root/step_<step>`` atomically; returns that path.
 
-    ``step`` defaults to ``state.step``. ``keep``: afterwards keep only the newest ``keep``
+    ``step``, when given, must equal ``state.step`` (a checkpoint is named by the step it restores;
+    to save under another step, pass ``state.replace(step=k)``). ``keep``: afterwards keep only the newest ``keep``
     checkpoints (None: keep all). ``checksum``: record each file's sha256 in the manifest (sizes
     are always recorded). A collective on N processes: every rank must call it.
-    An existing checkpoint of the same step is replaced (after the new one is complete).
+    An existing checkpoint of the same step is replaced (after the new one is complete; kept when
+    the swap fails).
 
     Timelines: checkpoints of steps above ``step`` can only come from a run this one abandoned
     (it was restored from an older checkpoint, or started afresh in the same directory). Left in
@@ -495,6 +516,10 @@ def save(
 
     if step is not None:
         int_at_least(step, "step", 0, " (the checkpoint's step; None: state.step)")
+        if step != state.step:
+            # the directory and manifest would say `step` while load restores state.step
+            raise ValueError(f"save: step={step} differs from state.step={state.step}; a checkpoint restores the state's "
+                             f"own step, so omit step (or pass state.replace(step={step}) to save it as step {step})")
     if keep is not None:
         int_at_least(keep, "keep", 0, " or None (how many checkpoints to keep; 0 or None: every one)")
     if not isinstance(root, (str, os.PathLike)):
@@ -540,9 +565,16 @@ def save(
             _set_aside_newer(root, step)
             old = None
             if final.exists():
+                # replaced only now that the new one is complete (a checkpoint of this step from a
+                # run that left it, or an earlier save of this very step)
                 old = final.with_name(f"{name}.old-{uuid.uuid4().hex[:8]}")
                 os.replace(final, old)
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except BaseException:
+                if old is not None and not final.exists():
+                    os.replace(old, final)  # never leave the step without its one good checkpoint
+                raise
             _fsync_dir(root)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
@@ -713,6 +745,7 @@ def load(
     if rng_key in saved_keys:
         sd[rng_key] = b""
 
+    specs = _governing_specs(template, trainer, path)
     plans = []
     trains = _trains_here(template)
     for model_key, opt_key, sched_key in _TRAINED:
@@ -755,6 +788,10 @@ def load(
         saved_sched = trainer["schedulers"].get(sched_key)
         if scheduler is not None and saved_sched is not None:
             scheduler.load_state_dict(saved_sched)
+            spec = specs.get(_SPEC_OF[model_key])
+            if spec is not None and hasattr(scheduler, "lr_lambdas"):
+                # the schedule's shape is a function, which LambdaLR does not save: the saved spec's
+                scheduler.lr_lambdas = [spec.lr_factor for _ in scheduler.lr_lambdas]
     if "ref" in sd:
         set_model_state_dict(template.ref, sd["ref"], options=_sd_options())
     if rng_key in sd:
@@ -763,11 +800,6 @@ def load(
     if trainer["seed"] != template.seed:
         warnings.warn(f"checkpoint {path} was saved with seed={trainer['seed']} but the state has seed={template.seed}; "
                       "using the checkpoint's seed so the run continues exactly", RuntimeWarning, stacklevel=2)
-    spec = template.optimizer_spec.to_dict() if template.optimizer_spec is not None else None
-    if spec is not None and trainer.get("optimizer_spec") is not None and _jsonable(spec) != _jsonable(trainer["optimizer_spec"]):
-        diff = sorted(k for k in spec if _jsonable(spec.get(k)) != _jsonable(trainer["optimizer_spec"].get(k)))
-        warnings.warn(f"checkpoint {path}: the optimizer spec differs in {diff} (saved {[trainer['optimizer_spec'].get(k) for k in diff]}, "
-                      f"now {[spec.get(k) for k in diff]}); the saved learning rate and schedule state are used", RuntimeWarning, stacklevel=2)
     engine = template._cache.get("engine")
     if engine is not None:
         # an engine built before the load may hold a copy of the template's weights: force a sync
@@ -778,6 +810,7 @@ def load(
         seed=trainer["seed"],
         data_position=trainer["data_position"],
         extras=dict(trainer["extras"]),
+        **specs,
     )
     template.donate("rlkit.checkpoint.load")
     return restored
@@ -787,12 +820,50 @@ def _jsonable(x: Any) -> Any:
     return json.loads(json.dumps(x, default=str))
 
 
+#: the TrainState field holding the optimizer spec of each trained role
+_SPEC_OF = {"actor": "optimizer_spec", "critic": "critic_optimizer_spec"}
+
+
+def _governing_specs(template: TrainState, trainer: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The saved optimizer specs that differ from the template's, by TrainState field, warning once
+    per spec with each differing field's saved and given value.
+
+    The checkpoint's spec governs entirely: its optimizer state already brings the saved learning
+    rate, weight decay and betas, and its scheduler state the saved base LR and step count, so the
+    schedule's shape is rebuilt from the saved spec too, and the returned state reports the saved
+    spec (which the next checkpoint stores). Mixing them (the saved base LR on the given spec's
+    decay) made the LR jump, with a state that reported a spec its optimizer did not follow."""
+    from rlkit.optim import OptimizerSpec
+
+    known = {f.name for f in dataclasses.fields(OptimizerSpec)}
+    out: dict[str, Any] = {}
+    for field in _SPEC_OF.values():
+        given, saved = getattr(template, field), trainer.get(field)
+        if given is None or saved is None or _jsonable(given.to_dict()) == _jsonable(saved):
+            continue
+        values = {k: v for k, v in saved.items() if k in known}
+        if "betas" in values:
+            values["betas"] = tuple(values["betas"])
+        out[field] = OptimizerSpec(**values)
+        now = given.to_dict()
+        diff = [k for k in now if _jsonable(now.get(k)) != _jsonable(saved.get(k))]
+        warnings.warn(
+            f"checkpoint {path}: the state's {field} differs from the saved one in "
+            + ", ".join(f"{k} (saved {saved.get(k)!r}, given {now.get(k)!r})" for k in diff)
+            + f"; the saved values apply (learning rate, schedule, weight decay, ...), so the run continues as saved, "
+            f"and the restored state's {field} is the saved one. To train with the given values instead, start a "
+            f"fresh run (rk.init) from the checkpoint's weights",
+            RuntimeWarning, stacklevel=3,
+        )
+    return out
+
+
 # --------------------------------------------------------------------------- Checkpointer
 class Checkpointer:
     """Periodic, atomic checkpoints of a run into ``directory``; resume; save on SIGTERM.
 
-    ``every``: :meth:`maybe_save` saves when ``state.step % every == 0`` (0: only on SIGTERM and
-    explicit :meth:`save`). ``keep``: keep the newest ``keep`` checkpoints (0 or None: all).
+    ``every``: :meth:`maybe_save` saves when ``state.step % every == 0`` (0: no periodic saves;
+    SIGTERM, :meth:`save_final` at the end of ``rk.fit`` and explicit :meth:`save` still save). ``keep``: keep the newest ``keep`` checkpoints (0 or None: all).
     ``save_on_sigterm``: while the training loop runs (inside :meth:`armed`, which ``rk.fit``
     enters), a SIGTERM makes the next :meth:`maybe_save` (i.e. the next step boundary) save and
     raise :class:`Preempted` (a ``SystemExit`` with status 143); a second SIGTERM exits at once.
@@ -818,7 +889,7 @@ class Checkpointer:
         checksum: bool = True,
         save_ref: bool = True,
     ):
-        int_at_least(every, "every", 0, " (steps between periodic saves; 0: only on SIGTERM and explicit save)")
+        int_at_least(every, "every", 0, " (steps between periodic saves; 0: none, only on SIGTERM, at the end of fit and explicit save)")
         if keep is not None:
             int_at_least(keep, "keep", 0, " or None (how many checkpoints to keep; 0 or None: every one)")
         if not isinstance(directory, (str, os.PathLike)):
@@ -831,7 +902,10 @@ class Checkpointer:
         self.save_on_sigterm = save_on_sigterm
         self.checksum = checksum
         self.save_ref = save_ref
+        #: the step of the checkpoint this Checkpointer last saved or restored (for reports; whether a
+        #: state is saved already is decided by :meth:`saved_path`, which also knows whose it was)
         self.last_saved_step: int | None = None
+        self._saved: tuple | None = None  # (weakref to the actor, step, policy_version, path)
         self.last_save_seconds: float | None = None
         self.last_save_bytes: int | None = None
         self._sigterm = threading.Event()
@@ -932,32 +1006,56 @@ class Checkpointer:
         return flag
 
     # saving -----------------------------------------------------------------------
+    def _note(self, state: TrainState, path: Path) -> None:
+        self.last_saved_step = state.step
+        self._saved = (weakref.ref(state.actor), state.step, state.policy_version, Path(path))
+
+    def saved_path(self, state: TrainState) -> Path | None:
+        """The checkpoint in this directory that this Checkpointer saved ``state`` to, or restored it
+        from, at its current step; None when there is none (then :meth:`maybe_save` and
+        :meth:`save_final` save it).
+
+        It is known by the state's own actor, step and policy version, not by the step alone: one
+        Checkpointer reused for a second run (a notebook cell run again with another seed) skipped
+        that run's saves at the steps the first run had saved, and resume restored the first
+        run's weights as the second's."""
+        if self._saved is None:
+            return None
+        actor, step, version, path = self._saved
+        if actor() is not state.actor or step != state.step or version != state.policy_version or not (path / MARKER).is_file():
+            return None
+        return path
+
     def save(self, state: TrainState) -> Path:
-        """Save now (a collective under N processes); records time and size."""
+        """Save now (a collective under N processes); records time and size. A checkpoint of the
+        same step already there (e.g. from another run in this directory) is replaced once the
+        new one is complete."""
         t0 = time.perf_counter()
         path = save(state, self.directory, keep=self.keep, checksum=self.checksum, save_ref=self.save_ref)
         self.last_save_seconds = time.perf_counter() - t0
-        self.last_saved_step = state.step
+        self._note(state, path)
         self.last_save_bytes = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) if path.is_dir() else None
         return path
 
     def maybe_save(self, state: TrainState) -> Path | None:
-        """Call after every step: saves every ``every`` steps, and on SIGTERM saves then exits."""
+        """Call after every step: saves every ``every`` steps, and on SIGTERM saves then exits
+        (a state already saved, see :meth:`saved_path`, is not saved again)."""
         if self._stop_requested():
-            path = self.save(state) if self.last_saved_step != state.step else latest(self.directory)
+            path = self.saved_path(state) or self.save(state)
             self._preempt_raised = True
             self.close()
             raise Preempted(str(path))
-        if self.every and state.step % self.every == 0 and state.step != self.last_saved_step:
+        if self.every and state.step % self.every == 0 and self.saved_path(state) is None:
             return self.save(state)
         return None
 
     def save_final(self, state: TrainState) -> Path | None:
-        """Save the state a run ends with unless it is saved already, when this checkpointer saves
-        periodically (``every > 0``; ``every=0`` saves only on SIGTERM). :func:`rlkit.fit` calls it
-        after its last step: a finished run used to keep only its last periodic checkpoint, and
-        resuming it redid the steps after that."""
-        if self.every and state.step != self.last_saved_step:
+        """Save the state a run ends with unless it is saved already (whatever ``every`` is, 0
+        included). :func:`rlkit.fit` calls it after its last step, so a finished run resumes
+        finished: with periodic saves it used to keep only its last periodic checkpoint (resuming
+        redid the steps after it), and with ``every=0`` nothing at all (``resume("auto")`` then
+        started the run over)."""
+        if self.saved_path(state) is None:
             return self.save(state)
         return None
 
@@ -974,8 +1072,12 @@ class Checkpointer:
             path = self.latest()
             if path is None:
                 raise CheckpointNotFoundError(f"no complete checkpoint in {str(self.directory)!r}; nothing to restore (use resume(state, 'auto') to start fresh)")
+        path = resolve(path)
         state = load(template, path, checksum=self.checksum, load_ref=self.save_ref)
-        self.last_saved_step = state.step
+        if path.resolve().parent == self.directory.resolve():
+            self._note(state, path)  # a checkpoint of this directory: not saved again unchanged
+        else:
+            self.last_saved_step, self._saved = state.step, None
         return state
 
     def resume(self, template: TrainState, how: str | os.PathLike | None = "auto") -> TrainState:
@@ -1014,7 +1116,7 @@ class Checkpointer:
                 )
             # sizes only on load: the sha256 of every file was just checked
             state = load(template, path, checksum=False, load_ref=self.save_ref)
-            self.last_saved_step = state.step
+            self._note(state, path)
             return state
         raise CheckpointCorruptError(
             f"resume('auto'): none of the {len(found)} checkpoint(s) in {str(self.directory)!r} verifies "

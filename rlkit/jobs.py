@@ -71,7 +71,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", default=None, help="'auto' (needs --out: the newest complete checkpoint in OUT/checkpoints, or a fresh start) "
                    "or a checkpoint path (a step_* directory, a checkpoints directory or another run's --out); skips the warm-up")
     p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"],
-                   help="save a checkpoint every K steps into OUT/checkpoints (with --out a SIGTERM also saves, then exits with 143)")
+                   help="save a checkpoint every K steps into OUT/checkpoints (with --out the last step is saved too, "
+                   "and a SIGTERM saves, then exits with 143)")
     p.add_argument("--keep-checkpoints", type=int, default=d["keep_checkpoints"], help="keep the newest N checkpoints (0: all)")
     p.add_argument("--nproc-per-node", type=int, default=None, help="run data-parallel over N local processes")
     p.add_argument("--json", action="store_true", help="print one JSON summary object as the last stdout line")
@@ -195,7 +196,7 @@ def _resume_target(opts: argparse.Namespace):
     from rlkit.checkpoint import latest, resolve
 
     if opts.checkpoint_every < 0:
-        raise ValueError(f"--checkpoint-every must be >= 0 (0: only on SIGTERM), got {opts.checkpoint_every}")
+        raise ValueError(f"--checkpoint-every must be >= 0 (0: no periodic saves; the last step and a SIGTERM still save), got {opts.checkpoint_every}")
     if opts.checkpoint_every and not opts.out:
         raise ValueError("--checkpoint-every needs --out DIR (checkpoints are written to DIR/checkpoints)")
     if not opts.resume:
@@ -314,12 +315,12 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
         state = state.replace(extras={**state.extras, "job/accuracy_before_rl": acc_before})
     checkpointer = None
     if opts.out:
-        # with --out a SIGTERM always saves (at the next step boundary) and exits with status 143;
-        # --checkpoint-every K also saves every K steps into OUT/checkpoints
+        # with --out a SIGTERM always saves (at the next step boundary) and exits with status 143, and
+        # fit saves the final state (so a longer --steps continues from it); --checkpoint-every K
+        # also saves every K steps into OUT/checkpoints
         from rlkit.checkpoint import Checkpointer
 
         checkpointer = Checkpointer(os.path.join(opts.out, "checkpoints"), every=opts.checkpoint_every, keep=opts.keep_checkpoints)
-        checkpointer.last_saved_step = state.step if resume_from is not None else None
     sinks: list[Any] = []
     if opts.out and rank == 0:
         os.makedirs(opts.out, exist_ok=True)
@@ -332,8 +333,6 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
             state, recipe, task.reward, task.train, steps=opts.steps, batch_size=opts.batch_size, sinks=sinks,
             eval_fn=lambda s: {"accuracy": accuracy(s.actor, s)}, eval_every=opts.eval_every, checkpointer=checkpointer,
         )
-        if checkpointer is not None and checkpointer.every and checkpointer.last_saved_step != state.step:
-            checkpointer.save(state)  # the final state, so a longer --steps can continue from it
     finally:
         for s in sinks:
             s.close()

@@ -11,7 +11,10 @@ from typing import Any, Callable, Iterable, Mapping
 
 from rlkit._checks import int_at_least
 from rlkit.data import PromptSet, load_prompts
-from rlkit.observe.sinks import broadcast
+from rlkit.observe.sinks import broadcast, rewind_all
+
+#: ``state.extras`` key of the batch size that ``state.data_position`` counts batches of
+BATCH_SIZE_KEY = "fit/batch_size"
 
 
 def fit(
@@ -34,11 +37,21 @@ def fit(
     list of strings or dicts, a JSONL path, a ``datasets.Dataset``), tokenized with the state's
     tokenizer. Resumable: batches come from ``prompts.batch_at(state.data_position, ...)``, so a
     state restored from a checkpoint continues with exactly the batches the uninterrupted run
-    would see. ``eval_fn(state) -> {"accuracy": ...}`` runs every ``eval_every`` steps and after the
-    last step (``eval_every=0``: never); ``checkpointer.maybe_save(state)`` is called after every
-    step when given, and the last step is saved too (``Checkpointer.save_final``), so a finished
-    run resumes finished instead of redoing the steps since its last periodic checkpoint. ``recipe`` may be a name (``"grpo"``: ``rk.recipes.get``); ``sinks`` one sink
-    or several.
+    would see. ``data_position`` counts batches, so the batch size is kept with it (in
+    ``state.extras["fit/batch_size"]``, saved in checkpoints): resumed with another ``batch_size``,
+    the position is converted when the prompts used so far in the current epoch are a whole number
+    of new batches (the run goes on with the next unseen prompt), and refused with a ``ValueError``
+    otherwise (the new batches would repeat some prompts and skip others).
+
+    ``eval_fn(state) -> {"accuracy": ...}`` runs every ``eval_every`` steps and after the last step
+    (``eval_every=0``: never); ``checkpointer.maybe_save(state)`` is called after every step when
+    given, and the last step is saved too (``Checkpointer.save_final``, whatever its ``every``, 0
+    included), so a finished run resumes finished instead of redoing the steps since its last
+    periodic checkpoint (or the whole run). ``recipe`` may be a name (``"grpo"``:
+    ``rk.recipes.get``); ``sinks`` one sink or several. A state past step 0 (a resumed run) first
+    calls ``sink.rewind(state.step)`` on the sinks that have it: :class:`rlkit.observe.JSONLSink`
+    and the in-memory sinks drop what they logged for later steps, which this run redoes, so a
+    metrics file has each step once, in order.
 
     Nothing is lost when the run stops early: an exception leaving ``fit`` (an error in a reward
     or ``eval_fn``, or Ctrl-C) carries the latest state and the history so far as ``exc.state``
@@ -57,15 +70,22 @@ def fit(
             raise TypeError(f"prompts is a {type(prompts).__name__} and the state has no tokenizer to read it with; "
                             "pass rk.load_prompts(prompts, tokenizer), or rk.init(..., tokenizer=...)")
         prompts = load_prompts(prompts, state.tokenizer)
+    position = _data_position(state, prompts, batch_size)
+    if state.step > 0:
+        rewind_all(sinks, state.step)
     t_start = time.perf_counter()
     try:
         # the checkpointer's SIGTERM handler (save at the next step boundary) only while the loop runs
         with getattr(checkpointer, "armed", contextlib.nullcontext)():
             while state.step < steps:
-                batch_prompts = prompts.batch_at(state.data_position, batch_size, seed=state.seed, shuffle=shuffle)
+                batch_prompts = prompts.batch_at(position, batch_size, seed=state.seed, shuffle=shuffle)
                 t0 = time.perf_counter()
                 state, metrics = recipe.step(state, batch_prompts, reward)
-                state = state.replace(data_position=state.data_position + 1)
+                position += 1
+                extras = state.extras
+                if extras.get(BATCH_SIZE_KEY) != batch_size:
+                    extras = {**extras, BATCH_SIZE_KEY: batch_size}
+                state = state.replace(data_position=position, extras=extras)
                 metrics["time/step_s"] = time.perf_counter() - t0
                 metrics["time/elapsed_s"] = time.perf_counter() - t_start
                 if eval_fn is not None and eval_every and (state.step % eval_every == 0 or state.step == steps):
@@ -82,6 +102,35 @@ def fit(
         _attach_progress(exc, state, history)
         raise
     return state, history
+
+
+def _data_position(state, prompts, batch_size: int) -> int:
+    """The stream position (in batches of ``batch_size``) where ``state``'s run goes on.
+
+    ``state.data_position`` counts batches of the size recorded in ``state.extras`` (none
+    recorded: taken to be ``batch_size``). Under another batch size, batch ``k`` of an epoch is
+    other prompts, so the position is converted: the prompts used in the current epoch must be a
+    whole number of new batches, or some would be trained on twice and others never."""
+    position, before = state.data_position, state.extras.get(BATCH_SIZE_KEY)
+    if not position or before is None or before == batch_size:
+        return position
+    n = len(prompts)
+    if n // before == 0:
+        raise ValueError(
+            f"fit: the state's data_position={position} counts batches of batch_size={before} (state.extras"
+            f"[{BATCH_SIZE_KEY!r}]), more than these {n} prompts: it comes from a run on another prompt set; "
+            f"pass that run's prompts, or start the data over with state.replace(data_position=0)")
+    if n // batch_size == 0:
+        return position  # batch_at says batch_size is too large for the prompts
+    epoch, k = divmod(position, n // before)
+    used = k * before
+    if used % batch_size:
+        raise ValueError(
+            f"fit: batch_size={batch_size} differs from the batch_size={before} the state's data_position={position} "
+            f"counts (state.extras[{BATCH_SIZE_KEY!r}], saved with checkpoints): {used} prompt(s) of epoch {epoch} are used, "
+            f"not a whole number of batches of {batch_size}, so the new batches would repeat some prompts and skip others. "
+            f"Pass batch_size={before} (or one that divides {used}), or start the data over with state.replace(data_position=0)")
+    return epoch * (n // batch_size) + used // batch_size
 
 
 def _check_fit_args(state, recipe, reward, steps, sinks, checkpointer):

@@ -93,7 +93,7 @@ def test_round_trip_restores_everything_bit_for_bit(tmp_path, char_tok):
 
 def test_meta_records_versions_shapes_and_config_hash(tmp_path, char_tok):
     state = _state(char_tok)
-    path = ck.save(state, tmp_path, step=5)
+    path = ck.save(state.replace(step=5), tmp_path, step=5)
     meta = json.loads((path / ck.META).read_text())
     assert meta["step"] == 5 and meta["world_size"] == 1 and meta["rlkit_version"] == rk.__version__
     actor = meta["models"]["actor"]

@@ -6,9 +6,9 @@ never imports ipywidgets, matplotlib, wandb or prometheus-client: ``rk.observe.n
 """
 import importlib
 
-from rlkit.observe.sinks import CallbackSink, JSONLSink, ListSink, Sink, broadcast, close_all
+from rlkit.observe.sinks import CallbackSink, JSONLSink, ListSink, Sink, broadcast, close_all, rewind_all
 
-__all__ = ["Sink", "JSONLSink", "ListSink", "CallbackSink", "broadcast", "close_all"]
+__all__ = ["Sink", "JSONLSink", "ListSink", "CallbackSink", "broadcast", "close_all", "rewind_all"]
 
 _SUBMODULES = ("console", "notebook", "prometheus", "wandb_sink")
 

@@ -12,7 +12,7 @@ import html
 from typing import Sequence
 
 from rlkit._checks import int_at_least
-from rlkit.observe.sinks import as_keys, as_number, format_value
+from rlkit.observe.sinks import _metric_items, _rewound, as_keys, as_number, format_value
 
 
 class Dashboard:
@@ -39,7 +39,7 @@ class Dashboard:
             self._widgets = None
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
-        self.history.append({"step": step, **metrics})
+        self.history.append({"step": step, **dict(_metric_items(metrics))})
         if self._widgets is None or (step % self.every and step < self.total):  # the last step always shows
             return
         self._bar.value = min(step, self.total)
@@ -52,6 +52,10 @@ class Dashboard:
             fig = self.plot()
             plt.show()
             plt.close(fig)  # Jupyter's inline backend closes it in show(); other backends would keep one per redraw
+
+    def rewind(self, step: int) -> None:
+        """Forget the rows of steps after ``step`` (``rk.fit`` resuming from ``step`` logs them again)."""
+        self.history[:] = _rewound(self.history, step)
 
     def plot(self, keys: Sequence[str] | None = None):
         """A figure with one panel per metric over steps."""

@@ -9,10 +9,11 @@ notebook cell that builds the sink again does not fail with "address already in 
 
 Metric names are ``{prefix}_{key}`` with every character outside ``[a-zA-Z0-9_]`` replaced by
 ``_`` (``reward/mean`` -> ``rlkit_reward_mean``); numbers of any kind (numpy scalars, 0-d tensors)
-are exported as floats, non-numeric values are skipped. ``{prefix}_step`` is the step count. Two
-keys that give one name (``reward/mean``, ``reward_mean``), or a metric named ``step``, would
-overwrite each other's gauge: the first keeps the name, and the later one is skipped with a warning
-that names both (rename one to export it).
+are exported as floats, non-numeric values are skipped. ``{prefix}_step`` is the step count given
+to ``on_step``; a metric named ``step`` (``rk.update`` reports one) is not exported (the step count
+has that name). Two keys that give one name (``reward/mean``, ``reward_mean``) would overwrite each
+other's gauge: the first keeps the name, and the later one is skipped with a warning that names
+both (rename one to export it).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import re
 import warnings
 
 from rlkit._checks import int_at_least
-from rlkit.observe.sinks import as_number
+from rlkit.observe.sinks import _metric_items, as_number
 
 _STEP = object()  # the owner of the {prefix}_step name: the step count, which no metric may overwrite
 
@@ -77,7 +78,7 @@ class PrometheusSink:
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         self._gauge(self._name("step"), "step").set(step)
-        for k, v in metrics.items():
+        for k, v in _metric_items(metrics):
             n = as_number(v)
             gauge = None if n is None else self._metric_gauge(k)
             if gauge is not None:

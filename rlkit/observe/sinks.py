@@ -1,6 +1,13 @@
 """Metric sinks. Transforms return metrics; sinks subscribe to them (a pure function never logs).
 
-A sink is any object with ``on_step(step: int, metrics: dict)`` and optionally ``close()``.
+A sink is any object with ``on_step(step: int, metrics: dict)`` and optionally ``close()`` and
+``rewind(step: int)``: ``rk.fit`` calls ``rewind(state.step)`` when it starts from a state past step 0
+(a resumed run), and a sink that keeps what it logged drops the rows of later steps, which the run
+is about to log again (a run killed after step 3 and resumed from its step-2 checkpoint logged step
+3 twice).
+
+The step is the ``step`` argument: a metric named ``"step"`` (``rk.update`` reports one) is not
+logged as a metric, and never replaces it.
 """
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ import json
 import math
 import numbers
 import os
+import tempfile
 from typing import Any, Iterable, Protocol
 
 
@@ -61,11 +69,28 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
+def _metric_items(metrics: dict[str, Any]):
+    """The metrics a sink logs next to its own step: all but one named ``"step"``."""
+    return ((k, v) for k, v in metrics.items() if k != "step")
+
+
+def _row_step(line: str) -> float | None:
+    """The step of a JSONL row, or None when the line is not a row with a numeric step."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if isinstance(step, (int, float)) and not isinstance(step, bool) else None
+
+
 class JSONLSink:
     """Appends one JSON object per step to a file (flushed each line: nothing lost on a crash).
 
-    Numbers of any kind (Python, numpy scalars, 0-d tensors) are written as JSON numbers, and
-    non-finite ones (NaN, inf) as ``null``."""
+    Each row is ``{"step": <int>, <metric>: <value>, ...}``. Numbers of any kind (Python, numpy
+    scalars, 0-d tensors) are written as JSON numbers, and non-finite ones (NaN, inf) as ``null``.
+    :meth:`rewind` (called by ``rk.fit`` on a resumed run) drops the rows of steps after the one
+    the run resumes from, so that the file has each step once, in order."""
 
     def __init__(self, path: str | os.PathLike, mode: str = "a"):
         if mode not in ("a", "w"):
@@ -81,24 +106,63 @@ class JSONLSink:
         if self._f.closed:
             raise ValueError(f"JSONLSink({self.path!r}) was closed; make a new one (mode='a' appends) to log more steps")
         row = {"step": step}
-        for k, v in metrics.items():
+        for k, v in _metric_items(metrics):
             n = as_number(v)
             row[k] = v if n is None else _json_number(n)
         self._f.write(json.dumps(row, default=_json_default) + "\n")
         self._f.flush()
 
+    def rewind(self, step: int) -> None:
+        """Keep only the rows up to ``step`` (and lines that are not rows with a step); drop a last
+        line cut short by a crash. The file is rewritten atomically, and only when a row goes."""
+        if self._f.closed:
+            raise ValueError(f"JSONLSink({self.path!r}) was closed; make a new one (mode='a' appends) to log more steps")
+        self._f.flush()
+        with open(self.path, encoding="utf-8") as f:
+            lines = f.read().splitlines(keepends=True)
+        torn = bool(lines) and not lines[-1].endswith("\n")  # a write a kill cut short: no row
+        if torn:
+            lines.pop()
+        kept = [line for line in lines if (s := _row_step(line)) is None or s <= step]
+        if len(kept) == len(lines) and not torn:
+            return
+        directory = os.path.dirname(self.path) or "."
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(self.path) + ".", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.writelines(kept)
+                f.flush()
+                os.fsync(f.fileno())
+            self._f.close()
+            os.replace(tmp, self.path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        finally:
+            if self._f.closed:
+                self._f = open(self.path, "a", encoding="utf-8")
+
     def close(self) -> None:
         self._f.close()
 
 
+def _rewound(history: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
+    return [row for row in history if not (isinstance(row.get("step"), (int, float)) and row["step"] > step)]
+
+
 class ListSink:
-    """Keeps every step's metrics in memory (``sink.history``)."""
+    """Keeps every step's metrics in memory (``sink.history``: ``{"step": step, **metrics}``)."""
 
     def __init__(self):
         self.history: list[dict[str, Any]] = []
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
-        self.history.append({"step": step, **metrics})
+        self.history.append({"step": step, **dict(_metric_items(metrics))})
+
+    def rewind(self, step: int) -> None:
+        """Forget the rows of steps after ``step`` (the resumed run logs them again)."""
+        self.history[:] = _rewound(self.history, step)
 
 
 class CallbackSink:
@@ -112,6 +176,14 @@ class CallbackSink:
 def broadcast(sinks: Iterable[Any], step: int, metrics: dict[str, float]) -> None:
     for sink in sinks:
         sink.on_step(step, metrics)
+
+
+def rewind_all(sinks: Iterable[Any], step: int) -> None:
+    """``sink.rewind(step)`` on the sinks that have it (see the module docstring)."""
+    for sink in sinks:
+        rewind = getattr(sink, "rewind", None)
+        if callable(rewind):
+            rewind(step)
 
 
 def close_all(sinks: Iterable[Any]) -> None:

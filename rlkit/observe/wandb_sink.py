@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from rlkit.observe.sinks import _metric_items
+
 
 class WandbSink:
     def __init__(self, project: str = "rlkit", config: dict | None = None, **init_kwargs):
@@ -20,7 +22,8 @@ class WandbSink:
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         # commit now: by default wandb holds a step's values until the next step's arrive, and a
         # run that dies before then (or before close) would lose its last step
-        self.run.log(metrics, step=step, commit=True)
+        # (the step is wandb's step: a metric named "step" would be a chart of its own)
+        self.run.log(dict(_metric_items(metrics)), step=step, commit=True)
 
     def close(self) -> None:
         self.run.finish()
