@@ -100,14 +100,46 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command != "run" or os.environ.get("RLKIT_TRACEBACK") == "1":
         return args.fn(args)
-    from rlkit.checkpoint import CheckpointError
+    from rlkit.checkpoint import CheckpointError, Preempted
 
+    if args.quiet:
+        # transformers' own bars too ("Writing model shards" when the model is saved): --quiet says none
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
         return args.fn(args)
     except (ValueError, CheckpointError) as e:
         # a bad option or input: its message names the fix, a traceback would bury it
         print(f"rlkit run: error: {e}\n(RLKIT_TRACEBACK=1 shows where it was raised)", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        # Ctrl-C: where the run stopped and how to go on, not a traceback through the model's forward
+        # nor the notebook hint rk.fit attaches
+        print(f"\nrlkit run: interrupted{_where_it_stopped(e, args.out)}", file=sys.stderr)
+        return 130
+    except Preempted as e:  # SIGTERM: Checkpointer saved before exiting
+        print(f"\nrlkit run: stopped by SIGTERM; saved {e.path}; {_resume_hint(args.out)}", file=sys.stderr)
+        return e.code
+
+
+def _resume_hint(out: str | None) -> str:
+    return "rerun the same command with --resume auto to continue" if out else "rerun with --resume PATH to continue"
+
+
+def _where_it_stopped(exc: BaseException, out: str | None) -> str:
+    """`` after step N; the last checkpoint is ...`` for an interrupted ``rlkit run``."""
+    state = getattr(exc, "state", None)
+    text = f" after step {state.step}" if state is not None else ""
+    if not out:
+        return text + " (no checkpoints are kept without --out DIR)"
+    from rlkit.checkpoint import latest
+
+    root = os.path.join(out, "checkpoints")
+    found = latest(root) if os.path.isdir(root) else None
+    if found is None:
+        return text + f"; no checkpoint in {root} yet"
+    return text + f"; the last checkpoint is {found}: {_resume_hint(out)}"
 
 
 if __name__ == "__main__":

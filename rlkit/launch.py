@@ -503,6 +503,11 @@ def _check_torchrun_args(args) -> None:
     if lo is None or not 1 <= lo <= hi:
         raise ValueError(f"--nnodes is {nnodes!r}; give a number of machines >= 1 (e.g. --nnodes 2) or an elastic range "
                          "MIN:MAX with 1 <= MIN <= MAX (e.g. --nnodes 1:4)")
+    script = args.training_script
+    if not args.module and not args.no_python and not os.path.isfile(script):
+        # each worker would fail to open it, and torch elastic report that as a 50-line ChildFailedError
+        raise ValueError(f"script {script!r} not found (in {os.getcwd()}); give the path of a Python file, "
+                         "or -m MODULE to run a module")
 
 
 def torchrun_argv(argv: list[str]) -> list[str]:
@@ -512,7 +517,11 @@ def torchrun_argv(argv: list[str]) -> list[str]:
     elastic would reject only with a bare traceback."""
     from torch.distributed.run import get_args_parser
 
-    args = get_args_parser().parse_args(list(argv))
+    parser = get_args_parser()
+    # its usage and errors read "rlkit launch", not torchrun's "rlkit" with its own description
+    parser.prog = "rlkit launch"
+    parser.description = "Start a script on many processes: torchrun (torch.distributed.run) with --standalone for one node"
+    args = parser.parse_args(list(argv))
     _check_torchrun_args(args)
     extra: list[str] = []
     single_node = str(args.nnodes) in ("1", "1:1")

@@ -136,7 +136,16 @@ def test_shell_launch_two_nodes_one_rendezvous(tmp_path, child_env):
     assert sorted(d["node"] for d in records) == ["0", "1"]  # one worker per agent ("node")
 
 
-def test_torchrun_argv_defaults():
+@pytest.fixture
+def scripts(tmp_path, monkeypatch):
+    """A working directory holding the scripts the torchrun_argv tests name."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("train.py", "t.py"):
+        (tmp_path / name).write_text("print('hi')\n")
+    return tmp_path
+
+
+def test_torchrun_argv_defaults(scripts):
     assert torchrun_argv(["--nproc-per-node", "2", "train.py"])[0] == "--standalone"
     multi = torchrun_argv(["--nnodes", "2", "--rdzv-endpoint", "h:1", "train.py", "--lr", "1"])
     assert multi[0] == "--rdzv-backend=c10d" and multi[-3:] == ["train.py", "--lr", "1"]
@@ -144,7 +153,7 @@ def test_torchrun_argv_defaults():
     assert torchrun_argv(explicit) == explicit
 
 
-def test_torchrun_argv_refuses_bad_sizes_naming_the_flag():
+def test_torchrun_argv_refuses_bad_sizes_naming_the_flag(scripts):
     # torch elastic meets these with a bare AssertionError / ValueError traceback
     for argv, flag in [(["--nproc-per-node", "0"], "--nproc-per-node"), (["--nproc-per-node", "-1"], "--nproc-per-node"),
                        (["--nproc-per-node", "many"], "--nproc-per-node"), (["--nnodes", "0"], "--nnodes"),
@@ -158,7 +167,24 @@ def test_torchrun_argv_refuses_bad_sizes_naming_the_flag():
         torchrun_argv(["--nproc-per-node", "privateuseone", "train.py"])
 
 
-def test_torchrun_argv_takes_a_registered_backend_name(monkeypatch):
+def test_rlkit_launch_names_a_missing_script_and_itself(scripts, capsys):
+    """A missing script failed in every worker and came back as torch elastic's 50-line
+    ChildFailedError; argparse's usage and errors said "rlkit", torchrun's own description."""
+    from rlkit.launch import main_launch
+
+    with pytest.raises(ValueError, match="^script 'missing.py' not found .*-m MODULE"):
+        torchrun_argv(["--nproc-per-node", "2", "missing.py"])
+    assert torchrun_argv(["--nproc-per-node", "2", "-m", "some.module"])[-1] == "some.module"  # a module is not a file
+    with pytest.raises(SystemExit) as exit_info:
+        main_launch(["--nproc-per-node", "2", "missing.py"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("rlkit launch: error: script 'missing.py' not found")
+    with pytest.raises(SystemExit):
+        main_launch(["--help"])
+    assert capsys.readouterr().out.startswith("usage: rlkit launch ")
+
+
+def test_torchrun_argv_takes_a_registered_backend_name(monkeypatch, scripts):
     import torch
 
     monkeypatch.setattr(torch._C, "_get_privateuse1_backend_name", lambda: "npu")
