@@ -1,5 +1,5 @@
-"""Prompts: from a list, a JSONL file or a ``datasets`` dataset, tokenized once, batched
-deterministically and resumably.
+"""Prompts: from a list, a file (JSONL, JSON, CSV, Parquet), a ``datasets`` dataset or a pandas
+DataFrame, tokenized once, batched deterministically and resumably.
 
 A :class:`Prompts` value is one batch of prompts (text, token ids and per-prompt columns such as
 ``answer``); a :class:`PromptSet` is the whole data set, which yields ``Prompts`` batches in an
@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import operator
 import os
+import sys
+from collections import abc
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -66,40 +68,139 @@ def _encode(tokenizer, text: str | list, chat: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _rows(source: Any, prompt_key: str) -> list[Mapping[str, Any]]:
-    if isinstance(source, (str, os.PathLike)):
-        path = os.fspath(source)
-        if not os.path.exists(path):
-            raise DataError(f"prompt file {path!r} does not exist")
-        rows = []
+#: prompt file extensions :func:`load_prompts` reads, and their formats
+FILE_FORMATS = {".jsonl": "JSON lines", ".ndjson": "JSON lines", ".json": "JSON", ".csv": "CSV", ".tsv": "TSV", ".parquet": "Parquet"}
+
+#: what :func:`load_prompts` takes, as its errors name it
+SOURCES = ("a list of strings, of chat conversations or of dicts with a prompt key, a {column: [values]} dict, "
+           f"a {'/'.join(FILE_FORMATS)} path, a datasets.Dataset or a pandas.DataFrame")
+
+
+def _is_conversation(value: Any) -> bool:
+    """``value`` is one chat conversation: a non-empty list of dicts (messages)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) for m in value)
+
+
+def _as_row(item: Any, prompt_key: str) -> Any:
+    # a string (or a list of chat messages) is a prompt, as in a list
+    return {prompt_key: item} if isinstance(item, (str, list)) else item
+
+
+def _jsonl_rows(path: str, prompt_key: str) -> tuple[list[Any], list[str]]:
+    rows, where = [], []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}: line {n} is not valid JSON ({exc.msg}); each line must be one JSON object or string") from exc
+            rows.append(_as_row(item, prompt_key))
+            where.append(f"{path} line {n}")
+    return rows, where
+
+
+def _file_rows(path: str, prompt_key: str) -> tuple[list[Any], list[str]]:
+    """The rows of a prompt file, read by its extension (:data:`FILE_FORMATS`), and where each
+    one is in the file (``"<path> line <n>"``) for errors to name."""
+    if not os.path.exists(path):
+        raise DataError(f"prompt file {path!r} does not exist")
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in FILE_FORMATS:
+        raise DataError(
+            f"prompt file {path!r} has the extension {ext or '(none)'!r}; rlkit reads prompt files by their extension: "
+            + ", ".join(f"{k} ({v})" for k, v in FILE_FORMATS.items())
+            + "; rename the file to the extension of its format, or read it yourself and pass the rows (a list of dicts)"
+        )
+    if FILE_FORMATS[ext] == "JSON lines":
+        return _jsonl_rows(path, prompt_key)
+    if FILE_FORMATS[ext] == "JSON":
         with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    item = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}: line {n} is not valid JSON ({exc.msg}); each line must be one JSON object or string") from exc
-                # a line holding a JSON string (or a list of chat messages) is a prompt, as in a list
-                rows.append({prompt_key: item} if isinstance(item, (str, list)) else item)
-        return rows
-    if hasattr(source, "column_names") and hasattr(source, "__getitem__"):  # datasets.Dataset
-        return [source[i] for i in range(len(source))]
+            text = f.read()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            if exc.msg == "Extra data":  # one JSON value per line in a .json file, as datasets' json loader reads it
+                return _jsonl_rows(path, prompt_key)
+            raise DataError(f"{path}: line {exc.lineno} column {exc.colno} is not valid JSON ({exc.msg}); a .json prompt file "
+                            "holds a JSON array of rows, or one JSON object per line") from exc
+        if isinstance(data, Mapping):  # one row, or {column: [values]}
+            rows = _mapping_rows(data, prompt_key)
+            return rows, [f"{path} row {i}" for i in range(len(rows))]
+        if not isinstance(data, list):
+            raise DataError(f"{path} holds a JSON {type(data).__name__}; a .json prompt file holds a JSON array of rows "
+                            "(strings, chat conversations or objects with a prompt key) or a {column: [values]} object")
+        return [_as_row(item, prompt_key) for item in data], [f"{path} item {i}" for i in range(len(data))]
+    if FILE_FORMATS[ext] in ("CSV", "TSV"):
+        import csv
+
+        rows, where = [], []
+        with open(path, encoding="utf-8", newline="") as f:
+            reader = csv.DictReader(f, delimiter="\t" if ext == ".tsv" else ",")
+            for row in reader:
+                if None in row or None in row.values():  # DictReader's marks of a value too many, or too few
+                    raise DataError(f"{path} line {reader.line_num} has {'more' if None in row else 'fewer'} values than the "
+                                    f"{len(reader.fieldnames)} columns of its header line; give every line one value per column")
+                rows.append(row)
+                where.append(f"{path} line {reader.line_num}")
+        return rows, where
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"reading the Parquet file {path!r} needs pyarrow; pip install pyarrow, "
+                        "or read it yourself and pass the rows (a list of dicts)") from None
+    rows = pq.read_table(path).to_pylist()
+    return rows, [f"{path} row {i}" for i in range(len(rows))]
+
+
+def _mapping_rows(source: Mapping, prompt_key: str) -> list[Mapping[str, Any]]:
+    """One dict: one row (its prompt a string or one chat conversation), or columns of equal length."""
+    if isinstance(source.get(prompt_key), str) or _is_conversation(source.get(prompt_key)):  # one row
+        return [source]
+    # columns: {"prompt": [...], "answer": [...]}
+    if prompt_key not in source:
+        raise DataError(f"prompt columns {sorted(map(str, source))} have no {prompt_key!r} column; pass prompt_key= to name it")
+    lengths = {str(k): len(v) if isinstance(v, (list, tuple)) else None for k, v in source.items()}
+    if any(n is None for n in lengths.values()) or len(set(lengths.values())) != 1:
+        raise DataError(f"a dict of prompt columns needs one list per column, all of one length; got lengths {lengths}")
+    keys = list(source)
+    return [{k: source[k][i] for k in keys} for i in range(lengths[str(prompt_key)])]
+
+
+def _plain(value: Any) -> Any:
+    """A numpy value (as pandas holds list columns and numbers) as the Python one."""
+    return value.tolist() if type(value).__module__ == "numpy" and hasattr(value, "tolist") else value
+
+
+def _rows(source: Any, prompt_key: str) -> tuple[list[Any], list[str] | None]:
+    """The rows of ``source``, and where each one is in its file (None when not from a file)."""
+    if isinstance(source, (str, os.PathLike)):
+        return _file_rows(os.fspath(source), prompt_key)
+    pandas, datasets = sys.modules.get("pandas"), sys.modules.get("datasets")
+    if pandas is not None and isinstance(source, pandas.DataFrame):  # iterating one yields its column names
+        return [{str(k): _plain(v) for k, v in row.items()} for row in source.to_dict("records")], None
+    if datasets is not None and isinstance(source, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        raise DataError(f"load_prompts got a {type(source).__name__} of the splits {sorted(source)}; pass one split, "
+                        f"e.g. load_prompts(data[{next(iter(source), 'train')!r}], tokenizer)")
+    if datasets is not None and isinstance(source, datasets.IterableDataset):
+        raise DataError("load_prompts got a streaming datasets.IterableDataset; it reads and tokenizes the whole prompt set "
+                        "once, which a stream (maybe endless) does not allow: load the data set without streaming=True, "
+                        "or pass a finite part of it, e.g. list(data.take(1000))")
+    if hasattr(source, "column_names") and hasattr(source, "__getitem__") and hasattr(source, "__len__"):  # datasets.Dataset
+        return [source[i] for i in range(len(source))], None
     if isinstance(source, Mapping):
-        if isinstance(source.get(prompt_key), str):  # one row
-            return [source]
-        # columns: {"prompt": [...], "answer": [...]}
-        if prompt_key not in source:
-            raise DataError(f"prompt columns {sorted(map(str, source))} have no {prompt_key!r} column; pass prompt_key= to name it")
-        lengths = {str(k): len(v) if isinstance(v, (list, tuple)) else None for k, v in source.items()}
-        if any(n is None for n in lengths.values()) or len(set(lengths.values())) != 1:
-            raise DataError(f"a dict of prompt columns needs one list per column, all of one length; got lengths {lengths}")
-        keys = list(source)
-        return [{k: source[k][i] for k in keys} for i in range(lengths[str(prompt_key)])]
+        return _mapping_rows(source, prompt_key), None
+    if not isinstance(source, abc.Iterable):
+        raise DataError(f"load_prompts cannot read a {type(source).__name__}; give {SOURCES}")
     rows = []
-    for item in source:
-        rows.append({prompt_key: item} if isinstance(item, (str, list)) else item)
-    return rows
+    for n, item in enumerate(source):
+        if not isinstance(item, (str, list, Mapping)):
+            raise DataError(f"load_prompts got a {type(source).__name__} whose item {n} is a {type(item).__name__} "
+                            f"({item!r:.60}); rows must be strings, chat conversations or dicts with a {prompt_key!r} key: "
+                            f"give {SOURCES}")
+        rows.append(_as_row(item, prompt_key))
+    return rows, None
 
 
 @dataclass
@@ -156,12 +257,23 @@ def load_prompts(
     truncate: bool = False,
     chat: bool = False,
 ) -> PromptSet:
-    """Load prompts from a list of strings/dicts, a JSONL path, or a ``datasets.Dataset``
-    (a :class:`PromptSet` or :class:`Prompts`, already tokenized, is taken as it is).
+    """Load prompts from a list of strings/dicts, a dict (one row, or ``{column: [values]}``), a
+    file, a ``datasets.Dataset`` or a ``pandas.DataFrame`` (a :class:`PromptSet` or
+    :class:`Prompts`, already tokenized, is taken as it is).
 
-    Every other key of a row (``answer``, ``ground_truth``, ``data_source``...) becomes a column
-    that reward functions receive by name. A prompt longer than ``max_prompt_tokens`` is an error
-    naming it, unless ``truncate=True`` (keeps the last tokens).
+    A file is read by its extension (:data:`FILE_FORMATS`): ``.jsonl`` one JSON row per line;
+    ``.json`` a JSON array of rows (or one object per line, or ``{column: [values]}``); ``.csv`` /
+    ``.tsv`` a header line then one row per line (every value a string); ``.parquet`` (needs
+    pyarrow). Other extensions are refused. A streaming ``datasets.IterableDataset`` is refused:
+    the whole set is read and tokenized once (pass ``list(data.take(n))``).
+
+    A row's prompt is text, or a chat conversation (a list of ``{"role", "content"}`` messages,
+    rendered with the tokenizer's chat template). Every other key of a row (``answer``,
+    ``ground_truth``, ``data_source``...) becomes a column that reward functions receive by name.
+    A prompt with characters the tokenizer encodes as its unknown token is an error naming the
+    row and the characters; one longer than ``max_prompt_tokens`` is an error naming it, unless
+    ``truncate=True`` (keeps the last tokens). Errors about a row from a file name the file and
+    the line.
     """
     if max_prompt_tokens is not None:
         int_at_least(max_prompt_tokens, "max_prompt_tokens", hint=" or None (no limit)")
@@ -171,26 +283,48 @@ def load_prompts(
         return PromptSet(list(source.text), list(source.ids), {k: list(v) for k, v in source.columns.items()})
     if tokenizer is None:
         raise DataError("load_prompts needs a tokenizer to turn prompts into token ids; pass one (e.g. state.tokenizer)")
-    rows = _rows(source, prompt_key)
+    rows, origins = _rows(source, prompt_key)
     if not rows:
         raise DataError("the prompt set is empty; give at least one prompt")
+    from rlkit.sft import _check_known
+
     text, ids = [], []
     columns: dict[str, list[Any]] = {}
     keys = None
     for n, row in enumerate(rows):
+        where = f"prompt row {n}" if origins is None else f"prompt row {n} ({origins[n]})"
         if not isinstance(row, Mapping):
-            raise DataError(f"prompt row {n} is a {type(row).__name__}; rows must be strings, chat message lists or dicts with a {prompt_key!r} key")
+            raise DataError(f"{where} is a {type(row).__name__}; rows must be strings, chat message lists or dicts with a {prompt_key!r} key")
         if prompt_key not in row:
-            raise DataError(f"prompt row {n} has no {prompt_key!r} field (it has {sorted(row)}); pass prompt_key= to name the prompt column")
+            hint = (" (it looks like one chat message: a conversation, a list of messages, is one prompt; "
+                    "pass a list of conversations or {'prompt': messages})") if {"role", "content"} <= set(row) else ""
+            raise DataError(f"{where} has no {prompt_key!r} field (it has {sorted(row)}); pass prompt_key= to name the prompt column{hint}")
         value = row[prompt_key]
         if not isinstance(value, (str, list)):
-            raise DataError(f"prompt row {n}: field {prompt_key!r} must be text (or a list of chat messages), got {type(value).__name__} {value!r:.60}")
+            raise DataError(f"{where}: field {prompt_key!r} must be text (or a list of chat messages), got {type(value).__name__} {value!r:.60}")
         if isinstance(value, str) and not value.strip():
-            raise DataError(f"prompt row {n}: field {prompt_key!r} is empty")
+            raise DataError(f"{where}: field {prompt_key!r} is empty")
+        if isinstance(value, list):
+            bad = next((j for j, m in enumerate(value) if not (isinstance(m, Mapping) and "role" in m and "content" in m)), None)
+            if not value or bad is not None:
+                raise DataError(
+                    f"{where}: field {prompt_key!r} is a list, so it must be a chat conversation, a non-empty list of "
+                    f"{{'role': ..., 'content': ...}} messages, but "
+                    + (f"message {bad} is {value[bad]!r:.60}" if value else "it is empty")
+                    + "; give the prompt as text, or as messages with 'role' and 'content'"
+                )
         tok = _encode(tokenizer, value, chat)
+        if getattr(tokenizer, "unk_token_id", None) in tok:
+            # encoded as the unknown token: the model cannot tell those characters apart (rlkit.sft checks the same)
+            shown = value if isinstance(value, str) else tokenizer.apply_chat_template(
+                value if isinstance(value, list) else [{"role": "user", "content": value}], add_generation_prompt=True, tokenize=False)
+            try:
+                _check_known(tokenizer, shown, tok, where)
+            except ValueError as exc:
+                raise DataError(str(exc)) from None
         if max_prompt_tokens is not None and len(tok) > max_prompt_tokens:
             if not truncate:
-                raise DataError(f"prompt row {n} has {len(tok)} tokens, over max_prompt_tokens={max_prompt_tokens} ({str(value)[:60]!r}...); raise the limit or pass truncate=True")
+                raise DataError(f"{where} has {len(tok)} tokens, over max_prompt_tokens={max_prompt_tokens} ({str(value)[:60]!r}...); raise the limit or pass truncate=True")
             tok = tok[-max_prompt_tokens:]
         others = {k: v for k, v in row.items() if k != prompt_key}
         if keys is None:
@@ -203,7 +337,7 @@ def load_prompts(
             keys = set(others)
             columns = {k: [] for k in keys}
         elif set(others) != keys:
-            raise DataError(f"prompt row {n} has columns {sorted(others)} but row 0 has {sorted(keys)}; every row needs the same fields")
+            raise DataError(f"{where} has columns {sorted(others)} but row 0 has {sorted(keys)}; every row needs the same fields")
         for k, v in others.items():
             columns[k].append(v)
         text.append(value if isinstance(value, str) else json.dumps(value))
@@ -212,14 +346,15 @@ def load_prompts(
 
 
 def as_prompts(prompts: Any, tokenizer) -> Prompts:
-    """Accept a Prompts value, a string, a list of strings or dicts, or a dict (one row, or
-    columns of equal length) for ``rollout``: what :func:`load_prompts` reads."""
+    """Accept a Prompts value, a string, one chat conversation (a list of message dicts), a list
+    of strings or dicts, or a dict (one row, or columns of equal length) for ``rollout``: what
+    :func:`load_prompts` reads."""
     if isinstance(prompts, Prompts):
         return prompts
     if isinstance(prompts, PromptSet):  # every prompt of the set
         return Prompts(prompts.text, prompts.ids, prompts.columns)
-    if isinstance(prompts, str):
-        prompts = [prompts]
+    if isinstance(prompts, str) or (_is_conversation(prompts) and all("role" in m and "prompt" not in m for m in prompts)):
+        prompts = [prompts]  # one prompt: a string or one conversation
     if tokenizer is None:
         raise DataError("rollout got text prompts but the state has no tokenizer; pass tokenizer= to rk.init")
     # a dict (one row, or columns) as load_prompts reads it: list() of it was its keys, sampled as prompts

@@ -46,7 +46,7 @@ def evaluate(
     tokenizer = tokenizer_of(tokenizer, "evaluate")
     int_at_least(batch_size, "evaluate: batch_size", 1, " (prompts per generate call)")
     if not isinstance(prompts, (PromptSet, Prompts)):
-        prompts = load_prompts(prompts, tokenizer)  # a list of strings or rows, a JSONL path, a Dataset
+        prompts = load_prompts(prompts, tokenizer)  # a list of strings or rows, a .jsonl/.json/.csv/.parquet path, a DataFrame, a Dataset
     if len(prompts) == 0:
         raise DataError("evaluate got no prompts; an accuracy over none would be meaningless")
     longest = max(range(len(prompts)), key=lambda i: len(prompts.ids[i]))

@@ -34,7 +34,7 @@ def fit(
     """Run ``recipe.step`` until ``state.step == steps``; returns ``(state, history)``.
 
     ``prompts``: a :class:`rlkit.data.PromptSet`, or anything :func:`rlkit.load_prompts` reads (a
-    list of strings or dicts, a JSONL path, a ``datasets.Dataset``), tokenized with the state's
+    list of strings or dicts, a path to a .jsonl, .json, .csv or .parquet file, a pandas DataFrame, a ``datasets.Dataset``), tokenized with the state's
     tokenizer. Resumable: batches come from ``prompts.batch_at(state.data_position, ...)``, so a
     state restored from a checkpoint continues with exactly the batches the uninterrupted run
     would see. ``data_position`` counts batches, so the batch size is kept with it (in

@@ -60,9 +60,18 @@ def format_reward(pattern: str, *, full: bool = True, name: str | None = None):
     return reward
 
 
+_HASH_LINE = re.compile(r"####\s*" + _NUMBER.pattern)
+
+
 def hash_format(completions: Sequence[str], **_) -> list[float]:
-    """1.0 where the completion ends with a ``#### <number>`` answer line (GSM8K format)."""
-    return [float(extract_hash_answer(c) is not None) for c in completions]
+    """1.0 where the completion ends with a ``#### <number>`` answer line (GSM8K format): its last
+    non-empty line is ``#### <number>`` (spaces around it allowed), else 0.0. A completion that
+    goes on after its answer line (``"#### 42\nWait, ..."``) scores 0.0."""
+    out = []
+    for c in completions:
+        lines = [line for line in c.splitlines() if line.strip()]
+        out.append(float(bool(lines) and _HASH_LINE.fullmatch(lines[-1].strip()) is not None))
+    return out
 
 
 class RewardModel:
@@ -70,7 +79,9 @@ class RewardModel:
 
     Called with the whole Batch (``score`` passes it): it scores ``prompt + response`` token ids.
     The reward model must share the actor's tokenizer (token in, token out); for a different
-    tokenizer, decode and re-encode in your own batch-style function.
+    tokenizer, decode and re-encode in your own batch-style function. A classifier whose config
+    has no ``pad_token_id`` scores the last token of each sequence (transformers refuses batches
+    of more than one sequence there; the sequences are aligned here, so none is needed).
     """
 
     def __init__(self, model, *, micro_batch_size: int = 64):
@@ -86,12 +97,24 @@ class RewardModel:
         # right-align the real tokens so the classifier's "last non-pad token" is the response end
         order = torch.argsort(mask.long(), dim=1, stable=True)
         ids, mask = ids.gather(1, order), mask.gather(1, order)
-        out = []
-        for i in range(0, ids.shape[0], self.micro_batch_size):
-            sl = slice(i, i + self.micro_batch_size)
-            m = mask[sl].to(device)
-            pos = (m.long().cumsum(1) - 1).clamp(min=0)
-            logits = self.model(input_ids=ids[sl].to(device), attention_mask=m.long(), position_ids=pos).logits
-            # the score of the last real token (sequences are right-aligned, so the last column)
-            out.append(logits[:, -1, 0] if logits.dim() == 3 else logits[:, 0])
+        config = getattr(self.model, "config", None)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        # transformers' classifier pools the rightmost token that is not pad_token_id, and without
+        # one refuses batches > 1: the sequences are right-aligned, so an id no token has (-1) makes
+        # it pool the last column, the end of every sequence, as one sequence alone does
+        no_pad = config is not None and getattr(config, "pad_token_id", 0) is None
+        if no_pad:
+            config.pad_token_id = -1
+        try:
+            out = []
+            for i in range(0, ids.shape[0], self.micro_batch_size):
+                sl = slice(i, i + self.micro_batch_size)
+                m = mask[sl].to(device)
+                pos = (m.long().cumsum(1) - 1).clamp(min=0)
+                logits = self.model(input_ids=ids[sl].to(device), attention_mask=m.long(), position_ids=pos).logits
+                # the score of the last real token (sequences are right-aligned, so the last column)
+                out.append(logits[:, -1, 0] if logits.dim() == 3 else logits[:, 0])
+        finally:
+            if no_pad:
+                config.pad_token_id = None
         return torch.cat(out).float().cpu()

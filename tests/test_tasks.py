@@ -6,6 +6,9 @@ import pytest
 import rlkit as rk
 from rlkit.tasks.arithmetic import TEACHER_NOISE, forgot_carry
 
+#: sha256 (first 16 hex) of the default teacher's examples and prompts for seed 0, as they were before the zero_pad fix
+DEFAULT_JOB_DATA = "394afc65871e5627"
+
 
 def _no_carry_sum(a: int, b: int) -> int:
     """An independent reference for ``forgot_carry``: the digits of a + b, each taken mod 10, as strings."""
@@ -27,7 +30,7 @@ def test_forgot_carry_drops_every_carry():
 def test_the_teacher_errs_as_its_noise_says(noise):
     task = rk.tasks.arithmetic(digits=2, n_train=400, n_sft=300, teacher_error=1.0, teacher_noise=noise)
     assert task.info["teacher_noise"] == noise
-    width = len(str(2 * 99))
+    width = len(str(2 * 99)) + 1  # one digit more than the longest sum: always a leading zero
     wrong = 0
     for prompt, shown in task.sft_examples:
         a, b = (int(x) for x in prompt[:-1].split("+"))
@@ -42,8 +45,31 @@ def test_the_teacher_errs_as_its_noise_says(noise):
             assert shown == str(forgot_carry(a, b))
         wrong += shown != truth
     # every demonstration is wrong, except where the noise leaves the answer as it is
-    # (zero_pad on 3-digit sums, forgot_carry without a carry, random by chance)
-    assert wrong >= {"verbose": 300, "zero_pad": 100, "random": 280, "forgot_carry": 100}[noise], wrong
+    # (forgot_carry without a carry, random by chance)
+    assert wrong >= {"verbose": 300, "zero_pad": 300, "random": 280, "forgot_carry": 100}[noise], wrong
+
+
+@pytest.mark.parametrize("ops", ["+", "-", "*", "+-*"])
+def test_every_zero_pad_demonstration_is_rejected_by_the_verifier(ops):
+    """zero_pad padded to the width of 2 * hi: 3-digit sums (half of them) and most products came
+    out unpadded, so correct, although its documentation says the verifier rejects them."""
+    for digits in (1, 2):
+        task = rk.tasks.arithmetic(digits=digits, ops=ops, n_train=80, n_test=10, teacher_error=1.0, teacher_noise="zero_pad")
+        answer = dict(zip(task.train.text, task.train.columns["answer"]))
+        shown = [c for _, c in task.sft_examples]
+        assert all(c.lstrip("-").startswith("0") and int(c) == int(answer[p]) for p, c in task.sft_examples), shown
+        assert task.reward(shown, [answer[p] for p, _ in task.sft_examples]) == [0.0] * len(shown), shown
+
+
+def test_the_default_teachers_data_is_unchanged():
+    """The default job's examples (teacher_error=0.6, the verbose teacher): published accuracies
+    were measured on exactly these."""
+    import hashlib
+    import json
+
+    task = rk.tasks.arithmetic(teacher_error=0.6, n_train=200, n_test=20, seed=0)
+    blob = json.dumps([task.sft_examples, task.train.text, task.train.columns, task.test.text]).encode()
+    assert hashlib.sha256(blob).hexdigest()[:16] == DEFAULT_JOB_DATA
 
 
 def test_teacher_error_is_the_rate_of_wrong_demonstrations():

@@ -114,7 +114,13 @@ def decode_batch(tokenizer, sequences: list[list[int]]) -> list[str]:
     benchmark's 16-core host the rollout's overhead outside the engine was 27 ms with
     ``decode_batch`` and 40 ms per sequence (different runs). Used when it gives the same text:
     a fast tokenizer with no ``clean_up_tokenization_spaces`` post-processing; otherwise the
-    transformers call."""
+    transformers call.
+
+    Special tokens are dropped, as TRL and verl decode for their rewards: ``[4, <unk>, 6]``
+    decodes to ``"46"``, so a reward scoring this text cannot see that the model emitted an
+    unknown, pad or EOS token. ``rollout`` (its ``response_text``) and ``score`` decode with this;
+    to score the special tokens too, set the batch's ``response_text`` to
+    ``tokenizer.batch_decode(ids, skip_special_tokens=False)`` (see :mod:`rlkit.transforms.score`)."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if not (
         isinstance(tokenizer, PreTrainedTokenizerFast)

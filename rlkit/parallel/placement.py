@@ -312,12 +312,22 @@ class _ShardedReward:
                 return list(v[lo:hi])
             return v
 
+        import inspect
+
+        from rlkit.transforms.score import _by_keyword
+
+        # as rlkit.score calls an unsharded one: by keyword where the function takes `completions` so
+        by_keyword = not rest and _by_keyword(self.fn, inspect.signature(self.fn).parameters)
+
+        def call(c, args, kw):
+            return self.fn(completions=c, **kw) if by_keyword else self.fn(c, *args, **kw)
+
         def compute():
             if hi <= lo:
                 return []
             mine, args, kw = cut(completions), [cut(v) for v in rest], {k: cut(v) for k, v in kwargs.items()}
             try:
-                return list(self.fn(mine, *args, **kw))
+                return list(call(mine, args, kw))
             except Exception as exc:  # noqa: BLE001 - re-raised naming the first row that fails alone
                 n = hi - lo
 
@@ -325,7 +335,7 @@ class _ShardedReward:
                     return v[j : j + 1] if isinstance(v, list) and len(v) == n else v
 
                 def alone(j):
-                    return self.fn(mine[j : j + 1], *[one(v, j) for v in args], **{k: one(v, j) for k, v in kw.items()})
+                    return call(mine[j : j + 1], [one(v, j) for v in args], {k: one(v, j) for k, v in kw.items()})
 
                 prompts = kw.get("prompts") if isinstance(kw.get("prompts"), list) else []
                 raise self._failing_row(exc, n, alone, lo, prompts, mine) from exc

@@ -15,7 +15,8 @@ from rlkit.tasks.base import Task
 
 ALPHABET = "0123456789+-*= "
 #: how the imperfect warm-up teacher errs (``teacher_error`` is how often):
-#: zero_pad: writes answers zero-padded to a fixed width ("046"), which the verifier rejects;
+#: zero_pad: writes answers zero-padded to one digit more than the longest possible answer, so
+#: always with a leading zero ("0046" for 2-digit sums, "-046" for 2-digit differences), which the verifier rejects;
 #: verbose: appends a redundant "+0" ("46+0"), which the verifier rejects; random: answers a random number; forgot_carry: adds digit by digit without carrying
 TEACHER_NOISE = ("zero_pad", "verbose", "random", "forgot_carry")
 OPS = ("+", "-", "*")
@@ -103,13 +104,15 @@ def arithmetic(
     sft_rows = train_rows if n_sft is None else train_rows[:n_sft]
     teacher = random.Random(seed + 1)
 
-    width = len(str(2 * hi))
+    # one digit more than the longest answer the ops make: every padded answer has a leading zero
+    # (the width of 2 * hi left 3-digit sums and most products unpadded, and so correct)
+    width = 1 + len(str(max({"+": 2 * hi, "-": hi, "*": hi * hi}[op] for op in ops)))
 
     def demonstrate(prompt: str, answer: str) -> str:
         if teacher.random() >= teacher_error:
             return answer
         if teacher_noise == "zero_pad":
-            return answer.zfill(width) if not answer.startswith("-") else answer
+            return "-" + answer[1:].zfill(width) if answer.startswith("-") else answer.zfill(width)
         if teacher_noise == "verbose":
             return answer + "+0"
         if teacher_noise == "random":

@@ -4,11 +4,39 @@ Accepted reward functions, detected by their signature, used unchanged:
 
 - **TRL style** (batched): ``f(completions, prompts=..., completion_ids=..., **columns) -> list[float]``
   — ``completions`` is the decoded response text; any keyword the function names that is a
-  column of the batch (``answer``, ``ground_truth``, ...) is passed as a list.
+  column of the batch (``answer``, ``ground_truth``, ...) is passed as a list. As TRL does, a
+  function with a ``completions`` parameter (or only ``**kwargs``) is called by keyword, so
+  ``f(prompts, completions, **kw)`` works; one whose first parameter has another name
+  (``f(responses, answer)``) gets the completions as its first positional argument. The
+  batch's own columns (``rollout_metrics``, ``prompt_text``, ``response_text``) are not passed
+  as data columns.
 - **verl style** (per sample): ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``
-  returning a float or a dict with a ``"score"`` key.
-- **Batch style**: ``f(batch) -> Tensor (b)`` (one parameter named ``batch``), e.g. a
-  :class:`rlkit.rewards.RewardModel` (a sequence classifier as the reward role).
+  returning a float or a dict with a ``"score"`` key. ``ground_truth`` comes from the
+  ``ground_truth`` column, else from verl's own format, a ``reward_model`` column holding
+  ``{"style": "rule", "ground_truth": ...}``, else from the ``answer`` column; with none of them
+  ``score`` stops with an error naming the columns there are.
+- **Batch style**: ``f(batch) -> Tensor (b)``, e.g. a :class:`rlkit.rewards.RewardModel` (a
+  sequence classifier as the reward role): a function whose first parameter is named ``batch``
+  and whose other parameters all have defaults or are keyword-only (``f(batch, scale=0.1)``,
+  ``functools.partial(f, scale=0.5)``).
+
+A TRL- or verl-style function defined with ``async def`` is run to completion (``asyncio``; in a
+thread of its own where an event loop is already running, as in Jupyter). When it raises, the error
+names the reward but not the sample: an async reward (often a remote call) is not retried sample by
+sample to find it.
+
+The texts are the responses (and prompts) decoded with ``skip_special_tokens=True``, as TRL and
+verl decode them: a special token the model emits (``<unk>``, ``<pad>``, an EOS in the middle) is
+not in the text a reward sees, so "4<unk>6" scores as "46". A reward that must see those tokens reads
+the ids: TRL style's ``completion_ids`` keyword, or a batch-style function's
+``batch["response_ids"]``. Or replace the batch's ``response_text`` column (``rollout`` writes it;
+``score`` decodes only where there is none) before scoring:
+``set_column(batch, "response_text", tokenizer.batch_decode(row_tokens(batch["response_ids"],
+batch["response_mask"]), skip_special_tokens=False))`` (both from :mod:`rlkit.batch`).
+
+Chat prompts differ from TRL's conversational format: ``prompts[i]`` is the conversation as a JSON
+string (``json.dumps`` of its message list; ``json.loads`` it back), and ``completions[i]`` is the
+response text, not ``[{"role": "assistant", "content": ...}]``.
 
 Several rewards: pass a list or a ``{name: fn}`` dict, with ``weights``; each one's value is kept
 as ``reward/<name>`` and ``rewards`` is their weighted sum.
@@ -33,7 +61,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from rlkit._checks import is_real
-from rlkit.batch import Batch, BatchError, column, columns, row_tokens, shallow_copy, validate
+from rlkit.batch import RESERVED_COLUMNS, Batch, BatchError, column, columns, row_tokens, shallow_copy, validate
 
 
 class RewardError(ValueError):
@@ -45,17 +73,50 @@ def _name(fn: Callable) -> str:
 
 
 def reward_style(fn: Callable) -> str:
-    """'verl', 'trl' or 'batch' — how ``score`` calls ``fn``."""
+    """'verl', 'trl' or 'batch' — how ``score`` calls ``fn``: 'verl' where it has a
+    ``solution_str`` parameter; 'batch' where its first parameter is named ``batch`` and every
+    other one has a default or is keyword-only (``f(batch, scale=0.1)``); else 'trl'."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return "trl"
-    names = list(params)
     if "solution_str" in params:
         return "verl"
-    if names and names[0] == "batch" and len(names) == 1:
+    first, *rest = list(params.values()) or [None]
+    if (
+        first is not None and first.name == "batch"
+        and first.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        and all(p.default is not p.empty or p.kind in (p.KEYWORD_ONLY, p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in rest)
+    ):
         return "batch"
     return "trl"
+
+
+def _is_async(fn: Callable) -> bool:
+    """``fn`` is an ``async def`` function (also behind ``functools.partial`` or a wrapper)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(inspect.unwrap(fn)) or (
+        inspect.iscoroutinefunction(getattr(fn, "__call__", None)))
+
+
+def _await(value: Any) -> Any:
+    """``value``, or what it gives when awaited if it is awaitable (an ``async def`` reward's
+    result): run on a new event loop, in a thread of its own where this thread already runs one
+    (Jupyter), where ``asyncio.run`` would refuse."""
+    if not inspect.isawaitable(value):
+        return value
+    import asyncio
+
+    async def wait():
+        return await value
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(wait())
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="rlkit-reward") as pool:
+        return pool.submit(asyncio.run, wait()).result()
 
 
 class LazyRows(abc.Sequence):
@@ -126,6 +187,20 @@ def _sample_desc(batch: Batch | None, i: int, prompts: Sequence[str], completion
     return f"sample {i if number is None else number} (prompt {clip(p)!r}, response {clip(c)!r})"
 
 
+def _by_keyword(fn: Callable, params: Mapping[str, inspect.Parameter]) -> bool:
+    """TRL calls a reward function by keyword (``completions=..., prompts=...``): so does
+    ``score`` where ``fn`` has a keyword parameter ``completions``, or no positional parameter but
+    ``**kwargs``. Others (``f(responses, answer)``) get the completions positionally, as before."""
+    if getattr(fn, "reads_row_shares", False):
+        return False  # rlkit.parallel.shard_reward's wrapper takes the completions positionally
+    P = inspect.Parameter
+    p = params.get("completions")
+    if p is not None:
+        return p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)
+    kinds = {q.kind for q in params.values()}
+    return P.VAR_KEYWORD in kinds and not kinds & {P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD, P.VAR_POSITIONAL}
+
+
 def _call_trl(fn, batch, prompts, completions) -> list[Any]:
     params = inspect.signature(fn).parameters
     has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -135,21 +210,45 @@ def _call_trl(fn, batch, prompts, completions) -> list[Any]:
         "completion_ids": LazyRows(batch.batch_size[0], lambda lo, hi: row_tokens(ids[lo:hi], mask[lo:hi])),
     }
     for name in columns(batch):
-        if name not in ("prompt_text", "response_text"):
+        # the batch's own columns (texts, rollout_metrics) are not data: only per-prompt columns are passed
+        if name not in RESERVED_COLUMNS:
             available[name] = column(batch, name)
     kwargs = {k: v for k, v in available.items() if has_var_kw or k in params}
     if not getattr(fn, "reads_row_shares", False):
         # a user's function gets plain lists; a sharded one (shard_reward) slices its own rows
         kwargs = {k: materialize(v) for k, v in kwargs.items()}
         completions = materialize(completions)
-    return list(fn(completions, **kwargs))
+    out = fn(completions=completions, **kwargs) if _by_keyword(fn, params) else fn(completions, **kwargs)
+    return list(_await(out))
 
 
-def _call_verl(fn, batch, i, completions) -> Any:
+def _truth_source(fn, batch) -> str:
+    """Where a verl-style ``fn`` reads ``ground_truth``: the ``ground_truth`` column, verl's
+    ``reward_model`` column (``{"style": "rule", "ground_truth": ...}``) or ``answer``."""
+    cols = columns(batch)
+    for name in ("ground_truth", "reward_model", "answer"):
+        if name in cols:
+            return name
+    raise RewardError(
+        f"verl-style reward {_name(fn)!r} needs a ground_truth, but the batch has none of the columns 'ground_truth', "
+        f"'reward_model' (verl's {{'style': 'rule', 'ground_truth': ...}}) or 'answer' (its columns: {sorted(cols)}); "
+        "give the prompts one of them (e.g. rename the reference-answer column to 'ground_truth')"
+    )
+
+
+def _call_verl(fn, batch, i, completions, source: str = "ground_truth") -> Any:
     cols = set(columns(batch))
     get = lambda name, default=None: column(batch, name)[i] if name in cols else default  # noqa: E731
-    truth = get("ground_truth", get("answer"))
-    out = fn(data_source=get("data_source"), solution_str=completions[i], ground_truth=truth, extra_info=get("extra_info"))
+    truth = get(source)
+    if source == "reward_model":
+        if not isinstance(truth, Mapping) or "ground_truth" not in truth:
+            raise RewardError(
+                f"verl-style reward {_name(fn)!r}: the 'reward_model' column of sample {i} "
+                f"is {truth!r:.80}, not a dict with a 'ground_truth' key (verl's {{'style': 'rule', 'ground_truth': ...}}); "
+                "fix the data, or give a 'ground_truth' column"
+            )
+        truth = truth["ground_truth"]
+    out = _await(fn(data_source=get("data_source"), solution_str=completions[i], ground_truth=truth, extra_info=get("extra_info")))
     if isinstance(out, Mapping):
         if "score" not in out:
             raise RewardError(f"reward {_name(fn)!r} returned a dict without a 'score' key: {sorted(out)}")
@@ -161,14 +260,18 @@ def _run_one(fn: Callable, batch: Batch, prompts: Sequence[str], completions: Se
     b = batch.batch_size[0]
     style = reward_style(fn)
     name = _name(fn)
+    if getattr(fn, "reads_row_shares", False) and _is_async(fn):
+        raise RewardError(f"reward {name!r} is an async function, which rlkit.parallel.shard_reward does not run; "
+                          "shard a plain function that runs it: def f(*args, **kw): return asyncio.run(reward(*args, **kw))")
     if style == "batch":
-        values = fn(batch)
+        values = _await(fn(batch))
     elif style == "verl":
+        source = _truth_source(fn, batch)
         completions = materialize(completions)  # one decode for the batch, not one per sample
         values = []
         for i in range(b):
             try:
-                values.append(_call_verl(fn, batch, i, completions))
+                values.append(_call_verl(fn, batch, i, completions, source))
             except RewardError:
                 raise
             except Exception as exc:  # noqa: BLE001 - re-raised with the sample named
@@ -182,6 +285,10 @@ def _run_one(fn: Callable, batch: Batch, prompts: Sequence[str], completions: Se
                 # rank that failed, and retrying sample by sample would run collectives that a rank
                 # whose reward raised a BaseException (SystemExit) never joins: the job hung
                 raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc}") from exc
+            if _is_async(fn):
+                # an async reward is often a remote call: not re-run once per sample to find the one that fails
+                raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} (on the whole batch; "
+                                  "an async reward is not retried sample by sample to find the failing one)") from exc
             # find the first sample that fails on its own, so the error names it
             for i in range(b):
                 try:
@@ -312,7 +419,12 @@ def score(
 
     ``reward``: a function, a list of them, or a ``{name: function}`` dict; a built-in reward may
     be given by name (:data:`BUILT_IN_REWARDS`: ``"exact_match"``, ...). ``weights``: one finite
-    number per function (a list, or a dict naming exactly the functions); default 1 each."""
+    number per function (a list, or a dict naming exactly the functions); default 1 each.
+
+    Rewards get the texts of the batch's ``prompt_text`` / ``response_text`` columns, else the ids
+    decoded with ``tokenizer`` and ``skip_special_tokens=True`` (as TRL and verl do): special
+    tokens a response holds (``"4<unk>6"``) are not in its text (``"46"``); the module docstring
+    says how to score them. Chat prompts reach rewards as JSON text, not TRL's message lists."""
     validate(batch, require=("response_ids", "response_mask"))
     fns = _reward_functions(reward)
     w = _reward_weights(weights, fns)

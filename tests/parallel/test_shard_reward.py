@@ -43,6 +43,10 @@ def _job() -> dict:
         seen["verl"].append(1)
         return float(len(solution_str) == int(ground_truth))
 
+    def prompts_first(prompts, completions, **kwargs):  # TRL calls by keyword; so does score, sharded too
+        return [float(len(c)) for c in completions]
+
+    out_keyword = {"keyword": score(_batch(), shard_reward(prompts_first))["rewards"].tolist()}
     rewards = {"trl": trl, "batch": by_batch, "verl": compute_score}
     sharded = score(_batch(), shard_reward(rewards))
     calls = {k: list(v) for k, v in seen.items()}
@@ -52,6 +56,7 @@ def _job() -> dict:
         "equal": all(torch.equal(sharded[k], single[k]) for k in ("rewards", "reward/trl", "reward/batch", "reward/verl")),
         "rewards": sharded["rewards"].tolist(),
         "calls": calls,
+        **out_keyword,
     }
 
     # no text columns: score decodes the rows, and a sharded reward decodes only its share
@@ -139,6 +144,11 @@ def test_every_rank_gets_every_reward_equal_to_one_process(two):
         assert r["equal"], r
         expected = [len(t) + float(a) + 10 * len(t) + float(len(t) == int(a)) for t, a in zip(TEXTS, ANSWERS)]
         assert r["rewards"] == pytest.approx(expected)
+
+
+def test_a_sharded_reward_with_prompts_first_is_called_by_keyword(two):
+    for r in two:
+        assert r["keyword"] == [float(len(t)) for t in TEXTS]
 
 
 def test_each_rank_scores_only_its_share(two):
