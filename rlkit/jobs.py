@@ -10,6 +10,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -50,7 +51,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     p.add_argument("task", help=f"built-in task: {', '.join(sorted(TASKS))}")
     p.add_argument("--algo", default=d["algo"], help=f"recipe: {', '.join(RECIPES)} (default {d['algo']})")
-    p.add_argument("--steps", type=int, default=d["steps"], help="RL steps")
+    p.add_argument("--steps", type=int, default=d["steps"],
+                   help="the RL step to reach (a resumed run continues up to it: --steps 50 after step 30 runs 20 more)")
     p.add_argument("--sft-steps", type=int, default=d["sft_steps"], help="supervised warm-up steps before RL")
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help="prompts per RL step")
     p.add_argument("--n", type=int, default=d["n"], help="samples per prompt")
@@ -179,6 +181,15 @@ def _recipe_before_warmup(opts: argparse.Namespace):
                              f"got {getattr(opts, name)!r}") from None
     if opts.out and os.path.exists(opts.out) and not os.path.isdir(opts.out):
         raise ValueError(f"option 'out' is {opts.out!r}, an existing file; give a directory (it is created when missing)")
+    if opts.out:
+        # created (and tried) now: a path that cannot be written failed with a traceback after the warm-up
+        try:
+            os.makedirs(opts.out, exist_ok=True)
+            with tempfile.TemporaryFile(dir=opts.out):
+                pass
+        except OSError as e:
+            raise ValueError(f"option 'out' (--out {opts.out}) cannot be created or written to ({type(e).__name__}: "
+                             f"{e.strerror or e}); give a directory you can write to") from None
     recipe = recipes.get(opts.algo, n=opts.n, temperature=opts.temperature,  # the recipe checks these
                          kl=("low_var_kl", opts.kl) if opts.kl else None)
     if opts.n < 2 and not recipe.needs_critic() and getattr(recipe, "estimator", "grpo") in GROUP_ESTIMATORS:
@@ -204,8 +215,25 @@ def _resume_target(opts: argparse.Namespace):
     if opts.resume == "auto":
         if not opts.out:
             raise ValueError("--resume auto needs --out DIR (it continues from the newest checkpoint in DIR/checkpoints)")
-        return latest(os.path.join(opts.out, "checkpoints"))
-    return resolve(opts.resume)
+        found = latest(os.path.join(opts.out, "checkpoints"))
+    else:
+        found = resolve(opts.resume)
+    step = _checkpoint_step(found) if found is not None else None
+    if step is not None and opts.steps < step:
+        raise ValueError(f"--steps {opts.steps} is below step {step} of the checkpoint this run resumes ({found}): --steps is the "
+                         f"step to reach, not a count; pass --steps {step + opts.steps} for {opts.steps} more")
+    return found
+
+
+def _checkpoint_step(path) -> int | None:
+    """The step a checkpoint directory restores (its ``meta.json``), None where it does not say."""
+    from rlkit.checkpoint import META
+
+    try:
+        with open(os.path.join(path, META), encoding="utf-8") as f:
+            return int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def json_ready(summary: dict[str, Any]) -> dict[str, Any]:

@@ -46,6 +46,7 @@ def test_run_on_two_processes_writes_a_loadable_model(tmp_path, child_env):
     (["--lr", "0"], r"option 'lr' \(--lr\) must be a positive finite number, got 0.0"),
     (["--sft-lr", "nan"], r"option 'sft_lr' \(--sft-lr\) must be a positive finite number, got nan"),
     (["--out", __file__], "option 'out' is .*, an existing file"),
+    (["--out", __file__ + "/sub"], r"option 'out' \(--out .*sub\) cannot be created or written to \(NotADirectoryError"),
     (["--eval-every", "-1"], r"option 'eval_every' \(--eval-every\) must be >= 0 .*got -1"),
     (["--keep-checkpoints", "-1"], r"option 'keep_checkpoints' \(--keep-checkpoints\) must be >= 0 .*got -1"),
     (["--batch-size", "5000"], r"option 'batch_size' \(--batch-size\) is 5000, more than the 4000 training prompts.*--batch-size 4000 or less"),
@@ -126,6 +127,10 @@ def test_resuming_the_run_in_out_continues_its_metrics(tmp_path):
     assert summary["steps"] == 2 and "resumed_from" in summary
     assert _steps(out / "metrics.jsonl") == [1, 2]
     assert not list(out.glob("previous-*"))
+    # --steps is the step to reach: below the checkpoint's it is refused before anything runs,
+    # naming the value that would train that many more steps (it used to say only "already past it")
+    with pytest.raises(ValueError, match=r"--steps 1 is below step 2 of the checkpoint .*pass --steps 3 for 1 more"):
+        run_task("arithmetic", {**TINY, "steps": 1, "out": str(out), "resume": "auto"})
 
 
 def _strict_json(text):
