@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import weakref
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -22,16 +23,37 @@ from rlkit.optim import OptimizerSpec
 
 
 class DonatedStateError(RuntimeError):
-    """A TrainState was used after it was donated to ``update``."""
+    """A TrainState was used after it (or a handle sharing its models) was donated to ``update``
+    (or to ``rlkit.checkpoint.load``)."""
 
 
 @dataclass
 class _Donation:
+    """Whether the models and optimizers of a state were consumed. One is shared by every handle
+    :meth:`TrainState.replace` made of the same models and optimizers (they alias one set of
+    weights), so donating one handle donates them all."""
+
     donated: bool = False
     by: str = ""
+    reason: str = ""  # set when the call that consumed the state did not finish (see update)
 
+
+#: the default ``successor`` of :meth:`TrainState.donate`: the handle this one's latest replace() made
+_LATEST = object()
+
+#: what each consumer did to a donated state, and what to use instead
+_USE_INSTEAD = {
+    "rlkit.update": ("its parameters were updated in place",
+                     "Use the state that call returned: `state, metrics = rk.update(state, batch)` "
+                     "(`state, history = rk.fit(state, ...)` when rk.fit ran the update)"),
+    "rlkit.checkpoint.load": ("the checkpoint was loaded into its models and optimizers in place",
+                              "Use the state load returned: `state = rlkit.checkpoint.load(template, path)` "
+                              "(or `state = checkpointer.resume(template)`)"),
+}
 
 _INTERNAL = {"_donation", "_cache", "replace", "donate", "is_donated", "_check"}
+#: the in-place trained objects: a replace() that keeps one of them makes an alias of the state
+_TRAINED = ("actor", "optimizer", "critic", "critic_optimizer")
 
 #: ``_cache`` entries built from a field's value, which ``replace`` drops when that field gets
 #: another object: the rollout engine reads (or holds a copy of) the actor's weights and is stamped
@@ -89,11 +111,8 @@ class TrainState:
         if not name.startswith("__") and name not in _INTERNAL:
             donation = object.__getattribute__(self, "_donation")
             if donation.donated:
-                raise DonatedStateError(
-                    f"this TrainState was donated to {donation.by} and can no longer be used "
-                    f"(its parameters were updated in place). Use the state that call returned: "
-                    f"`state, metrics = rk.update(state, batch)`."
-                )
+                direct = object.__getattribute__(self, "__dict__").get("_donated_here", False)
+                raise DonatedStateError(_donated_message(donation, direct))
         return object.__getattribute__(self, name)
 
     def _check(self) -> None:
@@ -104,7 +123,12 @@ class TrainState:
         return object.__getattribute__(self, "_donation").donated
 
     def replace(self, **changes) -> "TrainState":
-        """A new state with ``changes`` (Flax-style); caches follow, donation does not.
+        """A new state with ``changes`` (Flax-style); caches follow.
+
+        The new state shares the models and optimizers it does not replace with this one (no copy
+        is made), and so its donation: when either is donated (``update`` trains the weights in
+        place), both refuse further use, except the successor ``donate`` names (the state the
+        consuming call returns). ``snapshot = state.replace()`` is an alias, not a snapshot.
 
         A new ``actor`` (or ``critic``) without ``optimizer=`` (``critic_optimizer=``) gets a fresh
         AdamW from the state's spec, its moments at zero and its LR schedule continued where the
@@ -125,13 +149,31 @@ class TrainState:
         values.update(changes)
         if new:
             _optimizers_follow(values, new, changes)
-        return TrainState(**values)
-
-    def donate(self, by: str) -> None:
-        """Mark this handle as consumed by ``by`` (called by ``update``)."""
         donation = object.__getattribute__(self, "_donation")
+        if any(values[k] is not None and values[k] is object.__getattribute__(self, k) for k in _TRAINED):
+            values["_donation"] = donation  # an alias of these weights: donated with them
+        state = TrainState(**values)
+        object.__setattr__(self, "_latest_replace", weakref.ref(state))
+        return state
+
+    def donate(self, by: str, successor: "TrainState | None" = _LATEST, *, reason: str = "") -> None:
+        """Mark this handle, and every handle sharing its models and optimizers (made by
+        :meth:`replace`), as consumed by ``by`` (``update``, ``rlkit.checkpoint.load``).
+
+        ``successor`` (the state the consuming call returns, made by ``replace`` from this one)
+        stays usable, now the only handle of the weights; by default it is the state this
+        handle's latest ``replace`` returned, None: no handle stays usable. ``reason`` says why the
+        state is unusable when the call did not finish (an exception mid-update)."""
+        donation = object.__getattribute__(self, "_donation")
+        if successor is _LATEST:
+            latest = object.__getattribute__(self, "__dict__").get("_latest_replace")
+            successor = latest() if latest is not None else None
         donation.donated = True
         donation.by = by
+        donation.reason = reason
+        object.__setattr__(self, "_donated_here", True)
+        if successor is not None and object.__getattribute__(successor, "_donation") is donation:
+            object.__setattr__(successor, "_donation", _Donation())
 
     # convenience -----------------------------------------------------------------
     @property
@@ -145,6 +187,21 @@ class TrainState:
     def rng(self, *path: int | str, device: torch.device | str | None = None) -> torch.Generator:
         """A fresh generator keyed by ``(seed, step, *path)``: deterministic and resumable."""
         return generator(fold_in(self.seed, self.step, *path), device=device or self.device)
+
+
+def _donated_message(donation: _Donation, direct: bool) -> str:
+    """The :class:`DonatedStateError` of a handle: what consumed it, and what to use instead."""
+    if donation.reason:
+        return (f"this TrainState was donated to {donation.by}, which did not finish ({donation.reason}): its parameters "
+                "and optimizer state were already changed in place, so it (and any handle sharing its models) is not "
+                "a consistent state. Restore the last checkpoint (`state = checkpointer.resume(template)`) or start "
+                "over from rk.init")
+    done, hint = _USE_INSTEAD.get(donation.by, ("its models were changed in place", "Use the state that call returned"))
+    if direct:
+        return f"this TrainState was donated to {donation.by} and can no longer be used ({done}). {hint}."
+    return (f"this TrainState shares its models and optimizer with a state that was donated to {donation.by} "
+            f"(replace() makes an alias, not a copy; {done}), so it can no longer be used. {hint}; for a "
+            "snapshot, save a checkpoint or copy.deepcopy the models.")
 
 
 def _shares_parameters(a: nn.Module, b: nn.Module) -> bool:

@@ -157,3 +157,60 @@ def test_replace_refuses_what_would_not_train(tiny_model, char_tok):
     no_spec = state.replace(optimizer_spec=None)
     with pytest.raises(ValueError, match="optimizer does not hold the parameters of the actor"):
         no_spec.replace(actor=other)
+
+
+def _tiny_batch(model):
+    from rlkit.batch import make_batch
+    from rlkit.transforms.forward import model_logprobs
+
+    batch = make_batch([[3, 4]] * 4, [[5, 6], [7], [8, 9, 10], [11]], group=[0, 0, 1, 1], rewards=[1.0, 0.0, 0.0, 1.0])
+    lp, _ = model_logprobs(model, batch)
+    batch.set("logprobs", lp)
+    return rk.advantage(batch, "grpo")
+
+
+def test_handles_made_by_replace_are_donated_with_the_state_they_alias(tiny_model, char_tok):
+    """``snapshot = state.replace()`` shares the models and optimizer: after the update trained
+    them in place it stayed usable, reading step 0 with the trained weights (and saved as such)."""
+    batch = _tiny_batch(tiny_model)
+    state = rk.init(tiny_model, rk.optim.adamw(lr=1e-2), tokenizer=char_tok)
+    snapshot = state.replace()
+    independent = state.replace(actor=rk.models.tiny(char_tok, hidden_size=64, intermediate_size=128))  # own optimizer
+    new, _ = rk.update(state, batch)
+    assert snapshot.is_donated and state.is_donated
+    with pytest.raises(DonatedStateError, match=r"shares its models and optimizer with a state that was donated to rlkit\.update"):
+        snapshot.step  # noqa: B018
+    assert not independent.is_donated and independent.step == 0
+    # the update's own successor is usable, and so is a handle made of it (rk.fit makes one per step)
+    assert new.step == 1 and not new.is_donated
+    moved = new.replace(data_position=1)
+    newer, _ = rk.update(moved, batch)
+    assert new.is_donated and moved.is_donated and newer.step == 2 and newer.data_position == 1
+    # donate names its successor; by default the state the latest replace() made (as load does)
+    a = newer.replace(step=7)
+    b = newer.replace(step=8)
+    newer.donate("rlkit.update")
+    assert a.is_donated and not b.is_donated and b.step == 8
+    b.donate("rlkit.update", None)
+    assert b.is_donated
+
+
+def test_donated_state_error_names_what_to_use_for_what_consumed_it(tmp_path, tiny_model, char_tok):
+    """The error always recommended `state, metrics = rk.update(state, batch)`, also after a load."""
+    import copy
+
+    from rlkit.checkpoint import load, save
+
+    state = rk.init(copy.deepcopy(tiny_model), rk.optim.adamw(lr=1e-3), tokenizer=char_tok)
+    path = save(state, tmp_path)
+    template = rk.init(copy.deepcopy(tiny_model), rk.optim.adamw(lr=1e-3), tokenizer=char_tok)
+    alias = template.replace()
+    restored = load(template, path)
+    assert restored.step == 0 and not restored.is_donated
+    for handle in (template, alias):
+        with pytest.raises(DonatedStateError, match=r"rlkit\.checkpoint\.load") as info:
+            handle.lr  # noqa: B018
+        assert "rlkit.checkpoint.load(template, path)" in str(info.value) and "rk.update(state, batch)" not in str(info.value)
+    _, _ = rk.update(restored, _tiny_batch(tiny_model))
+    with pytest.raises(DonatedStateError, match=r"donated to rlkit\.update.*`state, metrics = rk\.update\(state, batch\)`"):
+        restored.lr  # noqa: B018

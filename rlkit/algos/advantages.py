@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from rlkit._checks import unit_interval
+from rlkit._checks import is_real, unit_interval
 from rlkit.algos.registry import Registry
 from rlkit.algos.stats import masked_whiten
 
@@ -77,9 +77,11 @@ def _check_tokens(token_rewards: torch.Tensor, response_mask: torch.Tensor, **ot
         )
     b, t = token_rewards.shape
     mask = response_mask.bool()
-    if torch.isnan(token_rewards).logical_and(mask).any():
-        rows = torch.isnan(token_rewards).logical_and(mask).any(dim=-1).nonzero().flatten().tolist()
-        raise ValueError(f"token_rewards contains NaN at valid tokens of rows {rows[:8]}; fix the reward function")
+    # inf too: one infinite reward made its group's (or, whitened, the batch's) advantages NaN
+    bad = ~torch.isfinite(token_rewards) & mask
+    if bad.any():
+        rows = bad.any(dim=-1).nonzero().flatten().tolist()
+        raise ValueError(f"token_rewards contains NaN or inf at valid tokens of rows {rows[:8]}; fix the reward function")
     for name, value in others.items():
         if value is None:
             continue
@@ -91,8 +93,24 @@ def _check_tokens(token_rewards: torch.Tensor, response_mask: torch.Tensor, **ot
         if name == "group":
             if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
                 raise ValueError(f"group must be an integer tensor (one prompt id per row), got dtype {value.dtype}")
-        elif torch.isnan(value).any() if value.dim() == 1 else torch.isnan(value).logical_and(mask).any():
-            raise ValueError(f"{name} contains NaN; fix the model or data that produced it")
+        elif (~torch.isfinite(value)).any() if value.dim() == 1 else (~torch.isfinite(value) & mask).any():
+            raise ValueError(f"{name} contains NaN or inf; fix the model or data that produced it")
+
+
+def _positive_finite(value: object, name: str) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is a finite real number > 0."""
+    if not is_real(value) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _whiten_or_zero(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``masked_whiten(x)`` over the batch's valid tokens, exactly 0 elsewhere. With fewer than two
+    valid tokens there is no variance to divide by (masked_var refuses it): the whitened value of
+    one token, ``x - mean``, is 0, and a batch without a valid token has nothing to train; both
+    give zeros, as :func:`gae` does."""
+    if int(mask.sum()) < 2:
+        return torch.zeros_like(x)
+    return torch.where(mask, masked_whiten(x, mask), 0.0)
 
 
 def _require(name: str, value: object, estimator: str, how: str) -> None:
@@ -190,12 +208,8 @@ def gae(
         next_adv = torch.where(mask[:, i], candidate, next_adv)
         adv[:, i] = next_adv
     returns = torch.where(mask, adv + vals, 0.0)
-    if int(mask.sum()) < 2:
-        # one valid token has no variance to whiten by (masked_var refuses it): its whitened
-        # advantage, x - mean, is 0 (a batch of one single-token response crashed PPO)
-        return torch.zeros_like(adv), returns
-    advantages = torch.where(mask, masked_whiten(adv, mask), 0.0)
-    return advantages, returns
+    # fewer than two valid tokens: zeros (a batch of one single-token response crashed PPO)
+    return _whiten_or_zero(adv, mask), returns
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,6 +220,8 @@ def gae(
 def _grpo(token_rewards, response_mask, group, epsilon, norm_by_std, name):
     _require("group", group, name, "give each row its prompt id (batch field 'group')")
     _check_tokens(token_rewards, response_mask, group=group)
+    # epsilon=0 divided a group of equal rewards by std 0: NaN advantages
+    _positive_finite(epsilon, f"{name}: epsilon")
     scores = _sequence_scores(token_rewards, response_mask)
     groups = _Groups(group, token_rewards.device)
     centred = scores.to(torch.float64) - groups.mean(scores)[groups.inverse]
@@ -237,6 +253,7 @@ def grpo(
 
     ``std_g`` is the unbiased (n - 1) standard deviation; a group of one row uses mean 0 and
     std 1, so its advantage is ``s_i / (1 + epsilon)``. ``A_i`` is broadcast over valid tokens.
+    ``epsilon`` must be a finite number > 0 (with 0 a group of equal rewards gives 0 / 0).
     """
     return _grpo(token_rewards, response_mask, group, epsilon, norm_by_std, "grpo")
 
@@ -348,10 +365,12 @@ def gpg(
 
     verl computes ``alpha`` from the count of non-zero *rewards* (the paper's ``B / (B - M)``
     counts rows of groups with non-zero reward spread); we follow verl's code. verl also
-    accepts an ``alpha`` argument that it overwrites; it is not exposed here.
+    accepts an ``alpha`` argument that it overwrites; it is not exposed here. ``f_norm`` must be
+    a finite number > 0 (0 gave inf and NaN advantages, a negative one reversed their sign).
     """
     _require("group", group, "gpg", "give each row its prompt id (batch field 'group')")
     _check_tokens(token_rewards, response_mask, group=group)
+    _positive_finite(f_norm, "gpg: f_norm")
     scores = _sequence_scores(token_rewards, response_mask)
     b = scores.shape[0]
     alpha = b / torch.count_nonzero(scores).clamp(min=1).to(torch.float64)
@@ -393,14 +412,17 @@ def reinforce_plus_plus(
 
     Formula: discounted reward-to-go ``G_t = r_t + gamma * G_{t+1}`` (reset after each masked
     token), then ``A = masked_whiten(G, response_mask)`` over the whole batch (global batch
-    normalisation). ``gamma = 1.0`` is verl's default.
+    normalisation). ``gamma`` in ``[0, 1]``; ``1.0`` is verl's default. A batch with fewer than two
+    valid tokens has no variance to whiten by: its advantages are 0 (as :func:`gae`'s), where
+    verl's ``masked_var`` raises.
     """
     _check_tokens(token_rewards, response_mask)
+    # gamma=2 made the returns grow with the length, gamma=nan every advantage NaN (gae refused both)
+    unit_interval(gamma, "reinforce++: gamma")
     mask = response_mask.bool()
     rewards = torch.where(mask, token_rewards, 0.0)
     returns = torch.where(mask, _discounted_returns(rewards, mask, gamma), 0.0)
-    advantages = torch.where(mask, masked_whiten(returns, mask), 0.0)
-    return advantages, returns
+    return _whiten_or_zero(returns, mask), returns
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce++_baseline", "reinforce_plus_plus_baseline")
@@ -418,7 +440,8 @@ def reinforce_plus_plus_baseline(
 
     Formula: ``a_i = s_i - mean_g`` (mean 0 for a group of one), broadcast over valid tokens,
     then ``A = masked_whiten(a, response_mask)`` over all valid tokens of the batch (so longer
-    responses weigh more in the batch statistics, as in verl).
+    responses weigh more in the batch statistics, as in verl). Fewer than two valid tokens in the
+    batch: advantages 0, as :func:`reinforce_plus_plus`.
     """
     _require("group", group, "reinforce++_baseline", "give each row its prompt id (batch field 'group')")
     _check_tokens(token_rewards, response_mask, group=group)
@@ -427,7 +450,7 @@ def reinforce_plus_plus_baseline(
     groups = _Groups(group, token_rewards.device)
     centred = scores.to(torch.float64) - groups.mean(scores)[groups.inverse]
     tiled = _broadcast(centred, mask, token_rewards.dtype)
-    adv = torch.where(mask, masked_whiten(tiled, mask), 0.0)
+    adv = _whiten_or_zero(tiled, mask)
     return adv, adv.clone()
 
 

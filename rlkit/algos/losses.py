@@ -12,8 +12,11 @@ from __future__ import annotations
 
 from typing import Callable
 
+import math
+
 import torch
 
+from rlkit._checks import is_real
 from rlkit.algos.registry import Registry
 from rlkit.algos.stats import masked_mean, masked_sum
 
@@ -151,7 +154,18 @@ def _check_policy_inputs(logprobs, old_logprobs, advantages, response_mask) -> N
         raise ValueError(f"logprobs must be (b t), got shape {tuple(logprobs.shape)}")
 
 
-def _clip_bounds(clip_ratio: float, clip_ratio_low: float | None, clip_ratio_high: float | None) -> tuple[float, float]:
+def _clip_bounds(clip_ratio: float, clip_ratio_low: float | None, clip_ratio_high: float | None,
+                 loss: str) -> tuple[float, float]:
+    """``(eps_low, eps_high)``, each a finite number >= 0: a negative one inverted the clip range
+    (``1 + eps_high < 1``: every token clipped) and NaN disabled it silently. A low bound above 1
+    is allowed (CISPO's default sets none: ``1 - eps_low < 0`` never binds)."""
+    for name, value in (("clip_ratio", clip_ratio), ("clip_ratio_low", clip_ratio_low), ("clip_ratio_high", clip_ratio_high)):
+        if value is None and name != "clip_ratio":
+            continue
+        if not is_real(value) or not 0 <= value < math.inf:
+            where = ("the log-ratio is clipped to [-clip_ratio_low, clip_ratio_high]" if loss == "gmpo"
+                     else "the ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]")
+            raise ValueError(f"{loss}: {name} must be a finite number >= 0 ({where}, both defaulting to clip_ratio), got {value!r}")
     low = clip_ratio if clip_ratio_low is None else clip_ratio_low
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     return low, high
@@ -202,7 +216,7 @@ def ppo_clip(
     _check_policy_inputs(logprobs, old_logprobs, advantages, response_mask)
     if not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO, got {clip_ratio_c}")
-    low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+    low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high, "ppo_clip")
     log_ratio = torch.clamp(logprobs - old_logprobs, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     loss1 = -advantages * ratio
@@ -258,7 +272,7 @@ def gspo(
     Metrics: ``clipfrac``, ``clipfrac_lower`` (always 0), ``approx_kl`` (unclamped, as verl).
     """
     _check_policy_inputs(logprobs, old_logprobs, advantages, response_mask)
-    low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+    low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high, "gspo")
     log_ratio = logprobs - old_logprobs
     lengths = response_mask.sum(dim=-1).clamp(min=1)
     seq_log_ratio = masked_sum(log_ratio, response_mask, dim=-1) / lengths
@@ -306,7 +320,7 @@ def cispo(
     ``approx_kl``.
     """
     _check_policy_inputs(logprobs, old_logprobs, advantages, response_mask)
-    low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+    low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high, "cispo")
     log_ratio = torch.clamp(logprobs - old_logprobs, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     clipped_ratio = torch.clamp(ratio, 1 - low, 1 + high)
@@ -378,14 +392,17 @@ def gmpo(
         L    = sum_i -A_i r_i / num_seqs
 
     The loss is per sequence, so ``agg`` is ignored (as verl). ``num_seqs`` defaults to the
-    number of rows ``b`` (verl's ``torch.mean`` over rows, empty rows included).
+    number of rows with at least one valid token, the count :func:`rlkit.update` passes and every
+    ``seq-mean-*`` aggregation uses (an empty row adds 0 to the sum). verl's ``torch.mean`` over
+    rows also counts empty rows; the two differ only for a batch with such rows (hand-made: the
+    engines emit at least one token per response).
 
     Metrics: ``clipfrac = mean[d != clamp(d) and A > 0]``,
     ``clipfrac_lower = mean[d != clamp(d) and A < 0]``, ``approx_kl``.
     """
     _check_policy_inputs(logprobs, old_logprobs, advantages, response_mask)
     _check_normaliser("num_seqs", num_seqs)
-    low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+    low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high, "gmpo")
     log_ratio = logprobs - old_logprobs
     sign = torch.sign(advantages)
     log_ratio_clamped = torch.clamp(log_ratio, -low, high)
@@ -395,7 +412,7 @@ def gmpo(
     seq_advantage = masked_sum(advantages, response_mask, dim=-1) / (lengths + 1e-8)
     per_row = -seq_advantage * ratio
     if num_seqs is None:
-        num_seqs = per_row.shape[0]
+        num_seqs = _default_count(_nonempty_rows(response_mask, per_row.dtype))
     loss = per_row.sum() / num_seqs
     clipped = log_ratio != log_ratio_clamped
     metrics = {
@@ -447,7 +464,7 @@ def clip_cov(
     _check_policy_inputs(logprobs, old_logprobs, advantages, response_mask)
     if not clip_cov_ratio > 0:
         raise ValueError(f"clip_cov_ratio must be > 0, got {clip_cov_ratio}")
-    low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+    low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high, "clip_cov")
     valid = response_mask.bool()
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
@@ -564,9 +581,12 @@ def value_loss(
         v_clip = clamp(v, v_old - c, v_old + c)
         L      = 0.5 * agg(max((v - R)^2, (v_clip - R)^2))
 
-    ``cliprange_value = 0.5`` is verl's critic default; None: no clipping. Metrics:
-    ``vf_clipfrac = mean[(v_clip - R)^2 > (v - R)^2]`` over valid tokens.
+    ``cliprange_value = 0.5`` is verl's critic default: a finite number > 0, or None: no
+    clipping. Metrics: ``vf_clipfrac = mean[(v_clip - R)^2 > (v - R)^2]`` over valid tokens.
     """
+    if cliprange_value is not None and not (is_real(cliprange_value) and 0 < cliprange_value < math.inf):
+        # -0.5 made v_clip = v_old + 0.5 whatever v (an inverted range), nan made the loss NaN
+        raise ValueError(f"value_loss: cliprange_value must be a finite number > 0, or None (no clipping), got {cliprange_value!r}")
     for name, value in (("old_values", old_values), ("returns", returns), ("response_mask", response_mask)):
         if not isinstance(value, torch.Tensor) or value.shape != values.shape:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -586,8 +606,12 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the categorical distribution given by ``logits (... v)`` -> ``(...)``.
 
     Formula (verl's stable form): ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``, equal to
-    ``-sum p log p``. No chunking here; the models layer chunks over tokens to save memory.
+    ``-sum p log p``. A ``-inf`` logit (a masked-out token) has probability 0 and contributes 0,
+    to the value and the gradient (verl's ``0 * -inf`` made the entropy NaN). No chunking here;
+    the models layer chunks over tokens to save memory.
     """
     probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+    # zero probability: the term is 0, so 0 * -inf = NaN never forms (nor in the backward)
+    finite = torch.where(probs > 0, logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+    return torch.logsumexp(logits, dim=-1) - (probs * finite).sum(dim=-1)
 

@@ -122,7 +122,12 @@ class Recipe:
         return batch
 
     def update_kwargs(self) -> dict[str, Any]:
-        return dict(loss=self.loss, loss_kw=self.loss_kw, agg=self.agg, kl=self.kl, entropy_coef=self.entropy_coef,
+        """The keyword arguments of this recipe's :func:`rlkit.update`. Under the
+        ``"seq-mean-token-sum-norm"`` aggregation (Dr. GRPO) ``horizon`` is ``max_new_tokens``, the
+        longest response the rollout can return: a constant normaliser, where the update's default
+        (each batch's padded width) changed the loss scale with the longest response of the batch."""
+        horizon = self.max_new_tokens if self.agg == "seq-mean-token-sum-norm" else None
+        return dict(loss=self.loss, loss_kw=self.loss_kw, agg=self.agg, horizon=horizon, kl=self.kl, entropy_coef=self.entropy_coef,
                     temperature=self.temperature, mini_batch_size=self.mini_batch_size,
                     micro_batch_size=self.micro_batch_size, epochs=self.epochs, max_grad_norm=self.max_grad_norm)
 

@@ -28,5 +28,9 @@ class GRPO(Recipe):
 
 
 def drgrpo(**kw) -> GRPO:
-    """Dr. GRPO: no std normalisation, and a constant-length token-sum loss (no length bias)."""
+    """Dr. GRPO: no std normalisation, and a constant-length token-sum loss (no length bias).
+
+    The loss sums each mini-batch's token losses and divides by ``max_new_tokens`` (the update's
+    ``horizon``, see :meth:`Recipe.update_kwargs`), the same constant at every step whatever the
+    batch's longest response."""
     return GRPO(estimator="drgrpo", agg="seq-mean-token-sum-norm", **kw)

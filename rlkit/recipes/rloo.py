@@ -3,6 +3,10 @@
 RLOO's baseline for a sample is the mean reward of the *other* samples of its prompt;
 REINFORCE++ whitens discounted returns over the whole batch (``reinforce++_baseline``
 subtracts the group mean first).
+
+The ``"reinforce++"`` recipe (``rk.recipes.get("reinforce++")``, :func:`reinforce_pp`) runs the
+``reinforce++_baseline`` estimator, not the plain ``"reinforce++"`` one that
+``rk.advantage(batch, "reinforce++")`` names: for the plain one, ``CriticFree(estimator="reinforce++")``.
 """
 from __future__ import annotations
 
@@ -30,4 +34,7 @@ def rloo(**kw) -> CriticFree:
 
 
 def reinforce_pp(**kw) -> CriticFree:
+    """The ``"reinforce++"`` recipe: REINFORCE++ with the group-mean baseline, i.e. the
+    ``"reinforce++_baseline"`` estimator (not ``rk.advantage``'s plain ``"reinforce++"``, which
+    whitens the batch's returns without a baseline; ``CriticFree(estimator="reinforce++")`` runs that)."""
     return CriticFree(estimator="reinforce++_baseline", **kw)

@@ -8,6 +8,8 @@ only the batch fields its signature names — ``token_rewards``, ``response_mask
 ``token_rewards (b t)`` is the batch's own field when present (KL-in-reward, per-token shaping);
 otherwise the sequence reward ``rewards (b)`` is placed on the last response token, as verl does
 (a row with no response token may only carry reward 0; see :func:`sequence_to_token_rewards`).
+Those derived token rewards are not added to the returned batch, so calling ``advantage`` again
+after changing ``rewards`` estimates from the new rewards.
 
 The built-in group estimators (:data:`GROUP_ESTIMATORS`, by name, alias or function) need the
 same number ``n >= 2`` of samples per prompt; an estimator of your own that takes ``group`` gets
@@ -77,7 +79,8 @@ def token_rewards_of(batch: Batch) -> torch.Tensor:
 
 
 def advantage(batch: Batch, estimator: str | Callable = "grpo", **kw) -> Batch:
-    """Estimate advantages; returns a new Batch (the input is not modified)."""
+    """Estimate advantages; returns a new Batch with ``advantages`` and ``returns`` set (the input
+    is not modified)."""
     fn = ADVANTAGE_ESTIMATORS.get(estimator)
     validate(batch, require=("response_ids", "response_mask"))
     params = inspect.signature(fn).parameters
@@ -125,6 +128,6 @@ def advantage(batch: Batch, estimator: str | Callable = "grpo", **kw) -> Batch:
     out = shallow_copy(batch)
     out.set("advantages", advantages.to(torch.float32))
     out.set("returns", returns.to(torch.float32))
-    if "token_rewards" not in batch.keys() and "rewards" in batch.keys():
-        out.set("token_rewards", inputs.get("token_rewards", token_rewards_of(batch)))
+    # token rewards derived from ``rewards`` are not stored: stored, they were preferred at the
+    # next call, and rewards changed in between (re-scored, reshaped) were silently ignored
     return out

@@ -16,7 +16,10 @@ of each mini-batch when the plan was lowered with ``grad_reduce="step"``
 (:meth:`rlkit.Pipeline.lower`).
 
 ``update`` donates its input state: parameters and optimizer moments change in place and the old
-handle raises :class:`rlkit.state.DonatedStateError` if used again.
+handle (and every handle ``replace`` made of it, which share its models) raises
+:class:`rlkit.state.DonatedStateError` if used again. An exception (Ctrl-C included) after the
+first optimizer step donates it too, saying so: its weights are then neither the old ones nor
+those of a finished update. An exception before that step leaves it unchanged and usable.
 """
 from __future__ import annotations
 
@@ -51,8 +54,8 @@ def _resolve_loss(loss: LossSpec, loss_kw: Mapping[str, Any] | None):
     reserved = sorted(set(kw) & {"agg", "num_tokens", "num_seqs", "horizon", "generator"})
     if reserved:
         # update passes these itself: in loss_kw they collided ("got multiple values for keyword")
-        raise TypeError(f"loss_kw sets {reserved}, which update passes to the loss itself; give agg= to update "
-                        "(or the recipe) instead, and leave the normalisers and the generator to update")
+        raise TypeError(f"loss_kw sets {reserved}, which update passes to the loss itself; give agg= (and horizon=, "
+                        "Dr. GRPO's constant) to update or the recipe instead, and leave the counts and the generator to update")
     params = inspect.signature(fn).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         unknown = set(kw) - set(params)
@@ -120,6 +123,7 @@ def update(
     loss: LossSpec = "ppo_clip",
     loss_kw: Mapping[str, Any] | None = None,
     agg: str | None = None,
+    horizon: int | None = None,
     kl: tuple | float | None = None,
     entropy_coef: float = 0.0,
     temperature: float = 1.0,
@@ -142,6 +146,11 @@ def update(
         agg: loss aggregation mode ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
             "seq-mean-token-sum-norm"); None uses the loss's own default (token-mean, except
             GSPO's seq-mean-token-mean), and token-mean for the KL and entropy terms.
+        horizon: the constant token-sum normaliser of ``"seq-mean-token-sum-norm"`` (Dr. GRPO;
+            verl's ``loss_scale_factor``), e.g. the rollout's ``max_new_tokens``: an int >= the
+            batch's response width. None: the batch's response width, which changes the loss
+            and gradient scale with each batch's padding (the longest response of the batch).
+            The recipes pass their ``max_new_tokens`` when they use that aggregation.
         kl: ``(mode, coef)`` KL-to-reference penalty in the loss, e.g. ``("low_var_kl", 1e-3)``;
             uses ``batch["ref_logprobs"]`` or computes it with ``state.ref``.
         entropy_coef: entropy bonus coefficient.
@@ -158,7 +167,9 @@ def update(
             old-policy pass and saves it (TRL's GRPOTrainer does the same for one iteration).
 
     Returns ``(new_state, metrics)`` with loss parts, clip fraction, approx KL, entropy, grad
-    norm, learning rate and the train-vs-rollout log-prob gap (``actor/logprob_gap``).
+    norm, learning rate and the train-vs-rollout log-prob gap (``actor/logprob_gap``); loss parts
+    and ratio metrics average over the mini-batches trained (one without a response token is
+    skipped). The step count is ``new_state.step``, not a metric.
     """
     from rlkit.models.logprobs import response_logprobs, to_device, values_for_response
 
@@ -183,6 +194,14 @@ def update(
         raise BatchError("batch has neither 'old_logprobs' nor 'logprobs'; batches from rk.rollout carry logprobs, or call rk.compute_old_logprobs(state, batch)")
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
+    width = batch["response_mask"].shape[-1]
+    if horizon is not None:
+        int_at_least(horizon, "horizon", 1, " or None (the batch's response width)")
+        if horizon < width:
+            raise ValueError(
+                f"horizon={horizon} is below the batch's response width {width}: Dr. GRPO's constant normaliser must be at "
+                f"least the longest possible response; pass the rollout's max_new_tokens (>= {width}), or None for the batch's width"
+            )
     positive_finite_or_none(max_grad_norm, "max_grad_norm", "no clipping")
     positive_finite_or_none(value_clip, "value_clip", "no value clipping")  # -1 clipped the critic's targets into nonsense
     loss_fn, loss_kw, wants_generator, loss_accepts = _resolve_loss(loss, loss_kw)
@@ -217,7 +236,7 @@ def update(
         torch.distributed.broadcast_object_list(payload, src=split.actor_ranks[0])
         metrics = payload[0]
         new_state = state.replace(step=state.step + 1, policy_version=state.policy_version + int(metrics.pop("_stepped")))
-        state.donate("rlkit.update")
+        state.donate("rlkit.update", new_state)
         return new_state, metrics
     # only the tensors the loss reads: slicing and moving text columns (lazy stacks of strings)
     # cost milliseconds per micro-batch
@@ -226,7 +245,7 @@ def update(
     present = set(batch.keys())
     batch = batch.select(*(k for k in used if k in present))
     b = batch.batch_size[0]
-    horizon = batch["response_mask"].shape[-1]
+    horizon = width if horizon is None else int(horizon)
     term_agg = agg or "token-mean"
     agg_kw = {} if agg is None else {"agg": agg}
     mini, micro = _check_sizes(b, mini_batch_size, micro_batch_size)
@@ -257,165 +276,183 @@ def update(
     gap_abs = gap_max = None
     gap_tokens = 0.0  # this rank's response tokens the gap was measured over
     steps_done = 0
+    minis_trained = 0  # mini-batches that ran forward/backward (an all-empty one is skipped)
     # Pipeline.lower(grad_reduce="step"): FSDP2 reduce-scatters once per optimizer step, in the
     # last micro-batch's backward, instead of in every micro-batch's
     trained = [actor_module] + ([critic_module] if train_critic else [])
     defer_sync = dp is not None and local_mini > micro and state._cache.get("grad_reduce", "micro_batch") == "step"
     if defer_sync:
         from rlkit.parallel.fsdp import discard_unreduced_gradients, set_gradient_sync
+    # from the first optimizer step on, parameters and optimizer moments change in place: an
+    # exception after it (Ctrl-C included) leaves the input neither the state before the update
+    # nor one after it, and it used to stay usable (rk.fit handed it back as "the state after
+    # step N"). It is donated then, with a reason saying so
+    in_place = False
     try:
-        for epoch in range(epochs):
-            order = torch.randperm(b, generator=state.rng("shuffle", epoch, device="cpu")) if shuffle else None
-            for m0 in range(0, b, mini):
-                # unshuffled: a slice (views), not an index (a copy of every field)
-                mini_batch = batch[order[m0 : m0 + mini]] if order is not None else batch[m0 : m0 + mini]
-                if shard is not None:
-                    mini_batch = shard(mini_batch)
-                mask_all = mini_batch["response_mask"]
-                # rows without any valid token do not count as sequences (verl's seq-mean-* default);
-                # both counts in one collective (whole numbers: float32 sums them exactly)
-                counts = torch.stack([mask_all.sum(), (mask_all.sum(-1) > 0).sum()]).to(torch.float32)
-                num_tokens, num_seqs = _global_sum(to_device(counts, device), state).unbind()
-                if counts[0] == 0 and (dp is None or dp.size == 1 or float(num_tokens) == 0):
-                    # no response token in the mini-batch (rows built with empty responses): nothing
-                    # to learn, and token means would divide by zero. Decided on the host copy (no
-                    # device sync) unless other ranks may hold tokens; then every rank reads the same sum
-                    continue
-                optimizer.zero_grad(set_to_none=True)
-                mini_loss = 0.0  # this mini-batch's loss: a non-finite one skips its optimizer step only
-                if train_critic:
-                    state.critic_optimizer.zero_grad(set_to_none=True)
-                for u0 in range(0, local_mini, micro):
-                    with torch.profiler.record_function("rlkit.update.micro_batch"):  # names the range in a profiler trace
-                        if defer_sync:
-                            for module in trained:
-                                set_gradient_sync(module, u0 + micro >= local_mini)
-                        rows = mini_batch[u0 : u0 + micro]
-                        # the layout from the masks where the batch lives (the CPU: no device sync), and
-                        # every field copied without waiting, so the host runs ahead of the GPU
-                        view = rows_view(actor_module, rows, device)
-                        mb = {k: to_device(v, device) for k, v in rows.items()}
-                        mask = mb["response_mask"]
-                        frac = mask.sum().double() / num_tokens.double().clamp(min=1.0)
-                        norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
-                        logprobs, entropy = response_logprobs(
-                            actor_module, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask,
-                            temperature=temperature, with_entropy=True, view=view,
-                        )
-                        extra = {"generator": state.rng("loss", epoch, m0, u0, device=device)} if wants_generator else {}
-                        # a user's loss receives only the normalisers it declares
-                        call_kw = {**agg_kw, **norm}
-                        if loss_accepts is not None:
-                            call_kw = {k: v for k, v in call_kw.items() if k in loss_accepts}
-                        old_lp = logprobs.detach() if old == "current" else mb[old_key]
-                        pg_loss, pg_metrics = loss_fn(logprobs, old_lp, mb["advantages"], mask, **call_kw, **loss_kw, **extra)
-                        total = pg_loss
-                        record("actor/pg_loss", pg_loss, 1.0)
-                        for k, v in pg_metrics.items():
-                            record(f"actor/{k}", v, frac)
-                        ent = aggregate(entropy, mask, term_agg, **norm)
-                        record("actor/entropy", ent, 1.0)
-                        if entropy_coef:
-                            total = total - entropy_coef * ent
-                        if kl_coef:
-                            kl_mat = kl_penalty(logprobs, mb["ref_logprobs"], kl_mode)
-                            kl_loss = aggregate(kl_mat, mask, term_agg, **norm)
-                            total = total + kl_coef * kl_loss
-                            record("actor/kl_loss", kl_loss, 1.0)
-                        if "logprobs" in keys and epoch == 0 and m0 == 0:
-                            # the silent bug of every peer: train-vs-rollout numerics; measured before any step
-                            diff = (logprobs.detach() - mb["logprobs"]).abs().masked_fill(~mask, 0.0)
-                            gap_abs = diff.sum().double() + (0.0 if gap_abs is None else gap_abs)
-                            gap_max = diff.max().double() if gap_max is None else torch.maximum(gap_max, diff.max().double())
-                            gap_tokens = gap_tokens + rows["response_mask"].sum()  # the rows measured (shuffled or not)
-                        mini_loss = mini_loss + total.detach()
-                        (total * grad_scale).backward()
-                        if train_critic:
-                            values = values_for_response(critic_module, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask,
-                                                         view=rows_view(critic_module, rows, device))
-                            vf_loss, vf_metrics = value_loss(values, mb["values"], mb["returns"], mask, cliprange_value=value_clip, agg=term_agg, **norm)
-                            (critic_coef * vf_loss * grad_scale).backward()
-                            record("critic/vf_loss", vf_loss, 1.0)
-                            for k, v in vf_metrics.items():
-                                record(f"critic/{k}", v, frac)
-                with torch.profiler.record_function("rlkit.update.optimizer"):
-                    grad_norm = _clip(actor, max_grad_norm)
-                    record("actor/grad_norm", grad_norm)
-                    # this mini-batch's own loss, not the running metric sum: one bad mini-batch used to
-                    # make every later one of the update look non-finite and skip its step
-                    finite = bool(torch.isfinite(torch.as_tensor(grad_norm)) & torch.isfinite(torch.as_tensor(mini_loss)))
-                    if finite:
-                        lr_used = optimizer.param_groups[0]["lr"]  # the scheduler moves it on below
-                        optimizer.step()
-                        state.scheduler.step()
-                        streak = 0
-                        steps_done += 1
-                    else:
-                        optimizer.zero_grad(set_to_none=True)
-                        skipped += 1
-                        streak += 1
-                        warnings.warn(f"rlkit.update: non-finite loss or gradient at step {state.step} (mini-batch {m0 // mini}); optimizer step skipped ({streak} in a row)", RuntimeWarning, stacklevel=2)
-                        if streak >= max_nonfinite_steps:
-                            raise NonFiniteError(
-                                f"{streak} consecutive updates had a non-finite loss or gradient (last at step {state.step}); "
-                                "lower the learning rate, check rewards/advantages for extreme values, or enable gradient clipping"
-                            )
-                if train_critic:
-                    c_norm = _clip(state.critic, max_grad_norm)
-                    record("critic/grad_norm", c_norm)
-                    if bool(torch.isfinite(torch.as_tensor(c_norm))):
-                        state.critic_optimizer.step()
-                        state.critic_scheduler.step()
-                    else:
+        try:
+            for epoch in range(epochs):
+                order = torch.randperm(b, generator=state.rng("shuffle", epoch, device="cpu")) if shuffle else None
+                for m0 in range(0, b, mini):
+                    # unshuffled: a slice (views), not an index (a copy of every field)
+                    mini_batch = batch[order[m0 : m0 + mini]] if order is not None else batch[m0 : m0 + mini]
+                    if shard is not None:
+                        mini_batch = shard(mini_batch)
+                    mask_all = mini_batch["response_mask"]
+                    # rows without any valid token do not count as sequences (verl's seq-mean-* default);
+                    # both counts in one collective (whole numbers: float32 sums them exactly)
+                    counts = torch.stack([mask_all.sum(), (mask_all.sum(-1) > 0).sum()]).to(torch.float32)
+                    num_tokens, num_seqs = _global_sum(to_device(counts, device), state).unbind()
+                    if counts[0] == 0 and (dp is None or dp.size == 1 or float(num_tokens) == 0):
+                        # no response token in the mini-batch (rows built with empty responses): nothing
+                        # to learn, and token means would divide by zero. Decided on the host copy (no
+                        # device sync) unless other ranks may hold tokens; then every rank reads the same sum
+                        continue
+                    minis_trained += 1
+                    optimizer.zero_grad(set_to_none=True)
+                    mini_loss = 0.0  # this mini-batch's loss: a non-finite one skips its optimizer step only
+                    if train_critic:
                         state.critic_optimizer.zero_grad(set_to_none=True)
-    finally:
-        if defer_sync:
-            for module in trained:
-                # after a complete update nothing is left (the last backward reduced it); after a
-                # failure between micro-batches this keeps their gradients out of the next update
-                discard_unreduced_gradients(module)
+                    for u0 in range(0, local_mini, micro):
+                        with torch.profiler.record_function("rlkit.update.micro_batch"):  # names the range in a profiler trace
+                            if defer_sync:
+                                for module in trained:
+                                    set_gradient_sync(module, u0 + micro >= local_mini)
+                            rows = mini_batch[u0 : u0 + micro]
+                            # the layout from the masks where the batch lives (the CPU: no device sync), and
+                            # every field copied without waiting, so the host runs ahead of the GPU
+                            view = rows_view(actor_module, rows, device)
+                            mb = {k: to_device(v, device) for k, v in rows.items()}
+                            mask = mb["response_mask"]
+                            frac = mask.sum().double() / num_tokens.double().clamp(min=1.0)
+                            norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
+                            logprobs, entropy = response_logprobs(
+                                actor_module, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask,
+                                temperature=temperature, with_entropy=True, view=view,
+                            )
+                            extra = {"generator": state.rng("loss", epoch, m0, u0, device=device)} if wants_generator else {}
+                            # a user's loss receives only the normalisers it declares
+                            call_kw = {**agg_kw, **norm}
+                            if loss_accepts is not None:
+                                call_kw = {k: v for k, v in call_kw.items() if k in loss_accepts}
+                            old_lp = logprobs.detach() if old == "current" else mb[old_key]
+                            pg_loss, pg_metrics = loss_fn(logprobs, old_lp, mb["advantages"], mask, **call_kw, **loss_kw, **extra)
+                            total = pg_loss
+                            record("actor/pg_loss", pg_loss, 1.0)
+                            for k, v in pg_metrics.items():
+                                record(f"actor/{k}", v, frac)
+                            ent = aggregate(entropy, mask, term_agg, **norm)
+                            record("actor/entropy", ent, 1.0)
+                            if entropy_coef:
+                                total = total - entropy_coef * ent
+                            if kl_coef:
+                                kl_mat = kl_penalty(logprobs, mb["ref_logprobs"], kl_mode)
+                                kl_loss = aggregate(kl_mat, mask, term_agg, **norm)
+                                total = total + kl_coef * kl_loss
+                                record("actor/kl_loss", kl_loss, 1.0)
+                            if "logprobs" in keys and epoch == 0 and m0 == 0:
+                                # the silent bug of every peer: train-vs-rollout numerics; measured before any step
+                                diff = (logprobs.detach() - mb["logprobs"]).abs().masked_fill(~mask, 0.0)
+                                gap_abs = diff.sum().double() + (0.0 if gap_abs is None else gap_abs)
+                                gap_max = diff.max().double() if gap_max is None else torch.maximum(gap_max, diff.max().double())
+                                gap_tokens = gap_tokens + rows["response_mask"].sum()  # the rows measured (shuffled or not)
+                            mini_loss = mini_loss + total.detach()
+                            (total * grad_scale).backward()
+                            if train_critic:
+                                values = values_for_response(critic_module, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask,
+                                                             view=rows_view(critic_module, rows, device))
+                                vf_loss, vf_metrics = value_loss(values, mb["values"], mb["returns"], mask, cliprange_value=value_clip, agg=term_agg, **norm)
+                                (critic_coef * vf_loss * grad_scale).backward()
+                                record("critic/vf_loss", vf_loss, 1.0)
+                                for k, v in vf_metrics.items():
+                                    record(f"critic/{k}", v, frac)
+                    with torch.profiler.record_function("rlkit.update.optimizer"):
+                        grad_norm = _clip(actor, max_grad_norm)
+                        record("actor/grad_norm", grad_norm)
+                        # this mini-batch's own loss, not the running metric sum: one bad mini-batch used to
+                        # make every later one of the update look non-finite and skip its step
+                        finite = bool(torch.isfinite(torch.as_tensor(grad_norm)) & torch.isfinite(torch.as_tensor(mini_loss)))
+                        if finite:
+                            lr_used = optimizer.param_groups[0]["lr"]  # the scheduler moves it on below
+                            in_place = True
+                            optimizer.step()
+                            state.scheduler.step()
+                            streak = 0
+                            steps_done += 1
+                        else:
+                            optimizer.zero_grad(set_to_none=True)
+                            skipped += 1
+                            streak += 1
+                            warnings.warn(f"rlkit.update: non-finite loss or gradient at step {state.step} (mini-batch {m0 // mini}); optimizer step skipped ({streak} in a row)", RuntimeWarning, stacklevel=2)
+                            if streak >= max_nonfinite_steps:
+                                raise NonFiniteError(
+                                    f"{streak} consecutive updates had a non-finite loss or gradient (last at step {state.step}); "
+                                    "lower the learning rate, check rewards/advantages for extreme values, or enable gradient clipping"
+                                )
+                    if train_critic:
+                        c_norm = _clip(state.critic, max_grad_norm)
+                        record("critic/grad_norm", c_norm)
+                        if bool(torch.isfinite(torch.as_tensor(c_norm))):
+                            in_place = True
+                            state.critic_optimizer.step()
+                            state.critic_scheduler.step()
+                        else:
+                            state.critic_optimizer.zero_grad(set_to_none=True)
+        finally:
+            if defer_sync:
+                for module in trained:
+                    # after a complete update nothing is left (the last backward reduced it); after a
+                    # failure between micro-batches this keeps their gradients out of the next update
+                    discard_unreduced_gradients(module)
 
-    n_steps = epochs * (b // mini)
-    # one device-to-host transfer for every metric
-    on_device = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
-    extra_keys = [x for x in (gap_abs, gap_max) if isinstance(x, torch.Tensor)]
-    if on_device or extra_keys:
-        host = torch.stack([sums[k].to(device) for k in on_device] + [x.to(device) for x in extra_keys]).tolist()
-        sums.update(zip(on_device, host[: len(on_device)]))
-        if extra_keys:
-            gap_abs, gap_max = host[len(on_device) :]
-    # loss parts are already normalised per mini-batch (summed over its micro-batches) and ratio
-    # metrics are token-weighted fractions of each mini-batch: both average over optimizer steps
-    metrics = {k: sums[k] / (weights[k] if k.endswith("grad_norm") else n_steps) for k in sums}
-    # the gap's denominator: the tokens it was summed over (it was the unshuffled first mini-batch's)
-    n_tok = float(gap_tokens)
-    if dp is not None and dp.size > 1:
-        metrics, gap_abs, gap_max, n_tok = _reduce_metrics(metrics, gap_abs, gap_max, n_tok, dp, device)
-    if gap_abs is not None:
-        metrics["actor/logprob_gap"] = gap_abs / max(n_tok, 1.0)
-        metrics["actor/logprob_gap_max"] = gap_max
-    if max_logprob_gap is not None and metrics.get("actor/logprob_gap", 0.0) > max_logprob_gap:
-        warnings.warn(
-            f"rlkit.update: at step {state.step} the trainer's log-probs differ from the rollout's by "
-            f"{metrics['actor/logprob_gap']:.3g} per token on average (threshold {max_logprob_gap}); the rollout "
-            "engine may be stale, sampled at another temperature, or numerically off (check update(temperature=...) "
-            "matches rollout(temperature=...))",
-            RuntimeWarning, stacklevel=2,
+        # the mini-batches that recorded metrics: an all-empty one skipped above recorded none, and
+        # counting it (epochs * b // mini) diluted every average
+        n_steps = max(minis_trained, 1)
+        # one device-to-host transfer for every metric
+        on_device = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
+        extra_keys = [x for x in (gap_abs, gap_max) if isinstance(x, torch.Tensor)]
+        if on_device or extra_keys:
+            host = torch.stack([sums[k].to(device) for k in on_device] + [x.to(device) for x in extra_keys]).tolist()
+            sums.update(zip(on_device, host[: len(on_device)]))
+            if extra_keys:
+                gap_abs, gap_max = host[len(on_device) :]
+        # loss parts are already normalised per mini-batch (summed over its micro-batches) and ratio
+        # metrics are token-weighted fractions of each mini-batch: both average over optimizer steps
+        metrics = {k: sums[k] / (weights[k] if k.endswith("grad_norm") else n_steps) for k in sums}
+        # the gap's denominator: the tokens it was summed over (it was the unshuffled first mini-batch's)
+        n_tok = float(gap_tokens)
+        if dp is not None and dp.size > 1:
+            metrics, gap_abs, gap_max, n_tok = _reduce_metrics(metrics, gap_abs, gap_max, n_tok, dp, device)
+        if gap_abs is not None:
+            metrics["actor/logprob_gap"] = gap_abs / max(n_tok, 1.0)
+            metrics["actor/logprob_gap_max"] = gap_max
+        if max_logprob_gap is not None and metrics.get("actor/logprob_gap", 0.0) > max_logprob_gap:
+            warnings.warn(
+                f"rlkit.update: at step {state.step} the trainer's log-probs differ from the rollout's by "
+                f"{metrics['actor/logprob_gap']:.3g} per token on average (threshold {max_logprob_gap}); the rollout "
+                "engine may be stale, sampled at another temperature, or numerically off (check update(temperature=...) "
+                "matches rollout(temperature=...))",
+                RuntimeWarning, stacklevel=2,
+            )
+        # the rate the (last) optimizer step of this update used; it reported the next step's, and at a
+        # schedule's end a rate never applied
+        metrics["actor/lr"] = lr_used if lr_used is not None else state.lr
+        metrics["actor/skipped_steps"] = float(skipped)
+        # no "step" metric: the step is the state's (new_state.step), and sinks log it as their own
+        # step argument; as a float metric it shadowed that step in the rows and Prometheus refused it
+        if split is not None:
+            payload = [{**metrics, "_stepped": 1 if steps_done else 0}]
+            torch.distributed.broadcast_object_list(payload, src=split.actor_ranks[0])
+        new_state = state.replace(
+            step=state.step + 1,
+            policy_version=state.policy_version + (1 if steps_done else 0),
+            extras={**state.extras, "nonfinite_streak": streak},
         )
-    # the rate the (last) optimizer step of this update used; it reported the next step's, and at a
-    # schedule's end a rate never applied
-    metrics["actor/lr"] = lr_used if lr_used is not None else state.lr
-    metrics["actor/skipped_steps"] = float(skipped)
-    metrics["step"] = float(state.step + 1)
-    if split is not None:
-        payload = [{**metrics, "_stepped": 1 if steps_done else 0}]
-        torch.distributed.broadcast_object_list(payload, src=split.actor_ranks[0])
-    new_state = state.replace(
-        step=state.step + 1,
-        policy_version=state.policy_version + (1 if steps_done else 0),
-        extras={**state.extras, "nonfinite_streak": streak},
-    )
-    state.donate("rlkit.update")
+    except BaseException as e:
+        if in_place:
+            state.donate("rlkit.update", None, reason=f"{type(e).__name__} interrupted it mid-update, after {steps_done} "
+                         f"optimizer step(s) of {epochs * (b // mini)}")
+        raise
+    state.donate("rlkit.update", new_state)
     return new_state, metrics
 
 

@@ -411,3 +411,61 @@ def test_keyword_only():
     data = one_token([1.0, 0.0], [0, 0])
     with pytest.raises(TypeError):
         ADVANTAGE_ESTIMATORS.get("grpo")(data["token_rewards"], data["response_mask"], data["group"])
+
+
+# ---------------------------------------------------------------- hyper-parameters and non-finite inputs
+
+
+def test_hyperparameters_that_made_nan_or_inf_are_refused():
+    """grpo(epsilon=0) gave 0/0 = NaN for a group of equal rewards, gpg(f_norm=0) inf and NaN,
+    reinforce++(gamma=2 or nan) exploding or NaN returns (gae refused those gammas already)."""
+    data = one_token([1.0, 1.0, 0.0, 1.0], [0, 0, 1, 1])
+    for bad in (0.0, -1e-6, float("nan"), float("inf"), "1e-6"):
+        with pytest.raises(ValueError, match=rf"grpo: epsilon must be a finite number > 0, got {bad!r}"):
+            call("grpo", **data, epsilon=bad)
+        with pytest.raises(ValueError, match=rf"gpg: f_norm must be a finite number > 0, got {bad!r}"):
+            call("gpg", **data, f_norm=bad)
+    for bad in (2.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=rf"reinforce\+\+: gamma must be a number in \[0, 1\], got {bad!r}"):
+            call("reinforce++", **data, gamma=bad)
+    # the valid edges still work: f_norm scales, gamma=0 keeps each token's own reward
+    a1, _ = call("gpg", **data)
+    a2, _ = call("gpg", **data, f_norm=2.0)
+    torch.testing.assert_close(a2, a1 / 2)
+    _, ret = call("reinforce++", **data, gamma=0.0)
+    torch.testing.assert_close(ret, data["token_rewards"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_infinite_inputs_are_refused_naming_the_field(name, gen, make_mask, to_tokens):
+    """Only NaN was checked: an inf reward (or critic value, or greedy baseline) made its group's
+    or the whole batch's advantages NaN or inf."""
+    for field, value in (("token_rewards", float("inf")), ("token_rewards", float("-inf")), ("values", float("inf")),
+                         ("reward_baselines", float("-inf"))):
+        data = random_batch(gen, make_mask, to_tokens)
+        if field not in inspect.signature(ADVANTAGE_ESTIMATORS.get(name)).parameters:
+            continue
+        row = int(data["response_mask"].any(-1).nonzero()[0])
+        col = int(data["response_mask"][row].nonzero()[0])
+        if data[field].dim() == 2:
+            data[field][row, col] = value
+        else:
+            data[field][row] = value
+        with pytest.raises(ValueError, match=rf"{field} contains NaN or inf"):
+            call(name, **data)
+
+
+@pytest.mark.parametrize("name", ["reinforce++", "reinforce++_baseline"])
+def test_whitening_estimators_on_fewer_than_two_valid_tokens_give_zeros(name):
+    """masked_var raised "the mask selects a single position" (naming neither the estimator nor
+    the cause). With one valid token the whitened value x - mean is 0 and with none there is
+    nothing to train: zeros, as gae returns."""
+    group = torch.tensor([0, 0])
+    one = torch.tensor([[True, False, False], [False, False, False]])
+    r = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    adv, ret = call(name, token_rewards=r, response_mask=one, group=group)
+    assert adv.tolist() == [[0.0] * 3, [0.0] * 3]
+    if name == "reinforce++":
+        assert ret.tolist() == r.tolist()  # the reward-to-go is still returned
+    adv, ret = call(name, token_rewards=torch.zeros(2, 3, dtype=torch.float64), response_mask=torch.zeros(2, 3, dtype=torch.bool), group=group)
+    assert adv.abs().sum() == 0 and ret.abs().sum() == 0

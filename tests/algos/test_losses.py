@@ -127,7 +127,8 @@ def ref_gmpo(logp, old, adv, mask, agg, clip_ratio=0.2, num_seqs=None):
                 total = total + dc
                 a_sum += a
         per_row.append(-(a_sum / (n + 1e-8)) * torch.exp(total / (n + 1e-8)))
-    n_seqs = num_seqs if num_seqs is not None else b
+    # rows with a valid token, as every seq-mean count (verl's torch.mean also counts empty rows)
+    n_seqs = num_seqs if num_seqs is not None else max(int((mask.sum(-1) > 0).sum()), 1)
     return sum(per_row) / n_seqs, {"clipfrac": ref_token_mean(clip_hi, mask), "clipfrac_lower": ref_token_mean(clip_lo, mask)}
 
 
@@ -513,9 +514,7 @@ def test_policy_loss_micro_batches_sum_to_full_batch(name, agg, gen, make_mask):
     x = logp.clone().requires_grad_()
     full, _ = fn(x, old, adv, mask, agg=agg)
     (full_grad,) = torch.autograd.grad(full, x)
-    num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
-    if name == "gmpo":
-        num_seqs = mask.shape[0]  # gmpo's default divides by all rows (verl's torch.mean)
+    num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()  # gmpo's too: the count update passes
     y = logp.clone().requires_grad_()
     total = sum(
         fn(y[rows], old[rows], adv[rows], mask[rows], agg=agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=7)[0]
@@ -559,3 +558,67 @@ def test_bad_hyperparameters(gen, make_mask):
         POLICY_LOSSES.get("ppo_clip")(*args, cliprange=0.2)  # typo'd hyper-parameters are not swallowed
     with pytest.raises(ValueError, match="returns"):
         value_loss(args[0], args[1], args[2][:, :-1], args[3])
+
+
+@pytest.mark.parametrize("name", ["ppo_clip", "gspo", "cispo", "gmpo", "clip_cov"])
+def test_clip_ratios_must_be_finite_and_not_negative(name, gen, make_mask):
+    """clip_ratio=-0.2, clip_ratio_high=-0.5 (an inverted range: every token clipped) and
+    clip_ratio=nan (no clipping at all) were accepted. A low bound above 1 stays allowed (CISPO
+    sets no lower bound that way)."""
+    args = random_inputs(gen, make_mask)
+    fn = POLICY_LOSSES.get(name)
+    for field, bad in (("clip_ratio", -0.2), ("clip_ratio", float("nan")), ("clip_ratio_low", -0.1),
+                       ("clip_ratio_high", -0.5), ("clip_ratio_high", float("inf")), ("clip_ratio", "0.2")):
+        with pytest.raises(ValueError, match=rf"{name}: {field} must be a finite number >= 0 \(.*\), got {bad!r}"):
+            fn(*args, **{field: bad})
+    loss, _ = fn(*args, clip_ratio_low=1.5, clip_ratio_high=0.0)
+    assert torch.isfinite(loss)
+
+
+def test_cispo_low_bound_above_one_clips_only_from_above():
+    logp = torch.tensor([[-3.0, 0.0]], dtype=F64)
+    old = torch.zeros(1, 2, dtype=F64)
+    adv = torch.ones(1, 2, dtype=F64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, _ = POLICY_LOSSES.get("cispo")(logp, old, adv, mask, clip_ratio_low=5.0, clip_ratio_high=0.2)
+    # ratios exp(-3) and 1, both inside [1 - 5, 1.2]: L = -(exp(-3) * -3 + 1 * 0) / 2
+    assert loss.item() == pytest.approx(3 * math.exp(-3) / 2, abs=1e-12)
+
+
+def test_value_loss_cliprange_must_be_positive_and_finite():
+    v, vo, ret = torch.tensor([[0.0, 1.0]]), torch.tensor([[0.5, 0.0]]), torch.tensor([[1.0, 1.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    for bad in (-0.5, 0.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=rf"value_loss: cliprange_value must be a finite number > 0, or None \(no clipping\), got {bad!r}"):
+            value_loss(v, vo, ret, mask, cliprange_value=bad)
+    # unclipped: 0.5 * mean((0 - 1)^2, (1 - 1)^2)
+    assert value_loss(v, vo, ret, mask, cliprange_value=None)[0].item() == pytest.approx(0.25)
+
+
+def test_entropy_of_logits_with_minus_inf_is_finite_with_a_finite_gradient():
+    """A -inf logit (a masked-out token) made 0 * -inf = NaN in the value and the gradient."""
+    z = torch.tensor([[0.0, 1.0, float("-inf")], [2.0, float("-inf"), float("-inf")]], dtype=F64, requires_grad=True)
+    ent = entropy_from_logits(z)
+    p = torch.softmax(torch.tensor([0.0, 1.0], dtype=F64), -1)
+    assert ent[0].item() == pytest.approx(float(-(p * p.log()).sum()), abs=1e-12)
+    assert ent[1].item() == pytest.approx(0.0, abs=1e-12)  # one possible token
+    ent.sum().backward()
+    assert torch.isfinite(z.grad).all()
+    # the finite logits' gradient equals the one without the -inf entry
+    y = torch.tensor([0.0, 1.0], dtype=F64, requires_grad=True)
+    entropy_from_logits(y).backward()
+    torch.testing.assert_close(z.grad[0, :2], y.grad)
+    assert z.grad[0, 2] == 0 and z.grad[1].abs().sum() == 0
+
+
+def test_gmpo_divides_by_the_rows_with_a_valid_token():
+    """A direct call divided by every row (empty ones included) while update passed the rows
+    with a valid token: the same batch gave two losses."""
+    logp = torch.tensor([[0.1, 0.5], [0.0, 0.0]])
+    old = torch.zeros(2, 2)
+    adv = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    mask = torch.tensor([[True, True], [False, False]])
+    loss, _ = POLICY_LOSSES.get("gmpo")(logp, old, adv, mask)
+    assert loss.item() == pytest.approx(-math.exp(0.15), abs=1e-6)  # / 1 row, not / 2
+    same, _ = POLICY_LOSSES.get("gmpo")(logp, old, adv, mask, num_seqs=1)
+    assert same.item() == loss.item()

@@ -33,6 +33,35 @@ def test_grpo_hand_worked_values_and_purity():
     assert torch.all(adv[2:] == 0)  # equal rewards: zero advantage
 
 
+def test_a_second_call_uses_rewards_changed_after_the_first():
+    """advantage() stored the token rewards it derived from ``rewards`` and preferred them at the
+    next call: re-scored rewards were silently ignored. Token rewards the batch carries itself
+    (KL-in-reward, shaping) are still used as they are."""
+    batch = _scored([1.0, 0.0, 0.0, 1.0], group=[0, 0, 1, 1], lengths=[2, 1, 3, 1])
+    first = rk.advantage(batch, "grpo")
+    first.set("rewards", torch.tensor([0.0, 1.0, 1.0, 0.0]))
+    again = rk.advantage(first, "grpo")
+    # each group: rewards (0, 1), unbiased std 0.7071 -> -+0.7071 on every valid token
+    assert again["advantages"][:, 0].tolist() == pytest.approx([-0.70710, 0.70710, 0.70710, -0.70710], abs=1e-4)
+    assert "token_rewards" not in again.keys()
+    own = _scored([1.0, 0.0, 0.0, 1.0], group=[0, 0, 1, 1], lengths=[2, 1, 3, 1])
+    own.set("token_rewards", torch.tensor([[0.0, 0.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+    out = rk.advantage(own, "grpo")
+    assert out["advantages"][:, 0].tolist() == pytest.approx([-0.70710, 0.70710, 0.0, 0.0], abs=1e-4)
+    assert torch.equal(out["token_rewards"], own["token_rewards"])
+
+
+def test_the_reinforce_pp_recipe_says_it_runs_the_baseline_estimator():
+    """rk.recipes.get("reinforce++") runs reinforce++_baseline while rk.advantage(batch,
+    "reinforce++") is the plain estimator; the recipe did not say so."""
+    import importlib
+
+    module = importlib.import_module("rlkit.recipes.rloo")  # rlkit.recipes.rloo is also the rloo factory
+    assert rk.recipes.get("reinforce++").estimator == "reinforce++_baseline"
+    for doc in (module.__doc__, module.reinforce_pp.__doc__):
+        assert "reinforce++_baseline" in doc and 'CriticFree(estimator="reinforce++")' in doc
+
+
 def test_group_estimator_needs_two_samples_per_prompt():
     batch = _scored([1.0, 0.0], group=[0, 1])
     with pytest.raises(rk.BatchError, match="n >= 2"):

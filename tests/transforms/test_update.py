@@ -232,3 +232,153 @@ def test_logprob_gap_is_the_mean_over_the_rows_it_measured(tiny_model, char_tok)
     assert float(batch[:4]["response_mask"].sum()) != float(rows["response_mask"].sum())  # the test can tell them apart
     _, metrics = rk.update(state, batch, mini_batch_size=4, shuffle=True, max_logprob_gap=None)
     assert metrics["actor/logprob_gap"] == pytest.approx(expected, rel=1e-5)
+
+
+def _widen(batch, extra):
+    """The same rows with ``extra`` more padding columns in every response field."""
+    from rlkit.batch import Batch
+
+    out = {}
+    for k in batch.keys():
+        v = batch[k]
+        if isinstance(v, torch.Tensor) and v.dim() == 2 and k not in ("prompt_ids", "prompt_mask"):
+            v = torch.cat([v, torch.zeros(v.shape[0], extra, dtype=v.dtype)], 1)
+        out[k] = v
+    return Batch(out, batch_size=[batch.batch_size[0]])
+
+
+def test_drgrpo_horizon_is_a_constant_not_the_batch_padding_width(tiny_model, char_tok):
+    """Dr. GRPO's normaliser was the batch's response width: the same tokens padded to 3, 6 or 16
+    columns gave pg_loss 1/3, 1/6, 1/16 (and gradients to match), and it could not be set."""
+    batch = make_batch([[3, 4, 5]] * 4, [[5, 6], [7, 8, 9], [10], [11, 12]], group=[0, 0, 1, 1], rewards=[1.0, 0.0, 1.0, 0.0])
+    lp, _ = model_logprobs(tiny_model, batch)
+    batch.set("logprobs", lp)
+    batch = rk.advantage(batch, "drgrpo")
+    mask, adv = batch["response_mask"], batch["advantages"]
+    # ratio 1 at the first step: ppo_clip's token loss is -A; Dr. GRPO sums it and divides by the horizon
+    token_sum = float(-(adv * mask).sum())
+    assert token_sum != 0
+    results = []
+    for extra in (0, 5):
+        state = rk.init(copy.deepcopy(tiny_model), rk.optim.adamw(lr=1e-2, eps=1.0, weight_decay=0.0), tokenizer=char_tok)
+        state, metrics = rk.update(state, _widen(batch, extra), agg="seq-mean-token-sum-norm", horizon=16, max_logprob_gap=None)
+        assert metrics["actor/pg_loss"] == pytest.approx(token_sum / 16, rel=1e-5)
+        results.append(_params(state.actor))
+    for k in results[0]:
+        torch.testing.assert_close(results[0][k], results[1][k], atol=1e-7, rtol=1e-6)
+    # None keeps the batch's width (3 columns here)
+    state = rk.init(copy.deepcopy(tiny_model), rk.optim.adamw(lr=1e-2), tokenizer=char_tok)
+    _, metrics = rk.update(state, batch, agg="seq-mean-token-sum-norm", max_logprob_gap=None)
+    assert metrics["actor/pg_loss"] == pytest.approx(token_sum / 3, rel=1e-5)
+    # refused before anything runs, naming the argument and the fix; the state stays usable
+    state = rk.init(copy.deepcopy(tiny_model), rk.optim.adamw(lr=1e-2), tokenizer=char_tok)
+    with pytest.raises(ValueError, match=r"horizon=2 is below the batch's response width 3.*max_new_tokens"):
+        rk.update(state, batch, agg="seq-mean-token-sum-norm", horizon=2)
+    for bad in (0, True, 4.0, "16"):
+        with pytest.raises(ValueError, match="horizon must be a positive int"):
+            rk.update(state, batch, agg="seq-mean-token-sum-norm", horizon=bad)
+    assert state.step == 0
+    # the recipes pass their max_new_tokens under that aggregation (and only there)
+    assert rk.recipes.get("drgrpo", max_new_tokens=12).update_kwargs()["horizon"] == 12
+    assert rk.recipes.get("grpo", max_new_tokens=12, agg="seq-mean-token-sum-norm").update_kwargs()["horizon"] == 12
+    assert rk.recipes.get("grpo", max_new_tokens=12).update_kwargs()["horizon"] is None
+
+
+def test_metrics_average_over_the_mini_batches_trained(tiny_model, char_tok):
+    """A mini-batch of rows without response tokens is skipped; it was still counted in the
+    average (epochs * b / mini), halving every loss and ratio metric here."""
+    from rlkit.algos import masked_mean
+
+    batch = make_batch([[3, 4]] * 4, [[5, 6, 7], [8, 9], [], []], group=[0, 0, 1, 1], rewards=[0.0] * 4)
+    lp, _ = model_logprobs(tiny_model, batch)
+    g = torch.Generator().manual_seed(0)
+    batch.set("logprobs", lp + 0.3 * torch.randn(lp.shape, generator=g) * batch["response_mask"])
+    batch.set("advantages", torch.randn(lp.shape, generator=g) * batch["response_mask"])
+    # the first mini-batch runs before any step: its approx_kl is mean(old - new) over its tokens
+    expected_kl = float(masked_mean(batch["logprobs"] - lp, batch["response_mask"]))
+    got = {}
+    for mini in (None, 2):
+        state = rk.init(copy.deepcopy(tiny_model), rk.optim.adamw(lr=1e-3), tokenizer=char_tok)
+        _, got[mini] = rk.update(state, batch, mini_batch_size=mini, max_logprob_gap=None)
+        assert got[mini]["actor/approx_kl"] == pytest.approx(expected_kl, rel=1e-4)
+    for key in ("actor/pg_loss", "actor/entropy", "actor/clipfrac"):
+        assert got[2][key] == pytest.approx(got[None][key], rel=1e-5, abs=1e-7), key
+
+
+def test_update_metrics_have_no_step(tiny_model, char_tok):
+    """update reported "step": float(state.step + 1), which sinks logged as a float metric next to
+    their own int step (Prometheus refused the name). The step is the returned state's."""
+    state = rk.init(tiny_model, rk.optim.adamw(lr=1e-3), tokenizer=char_tok)
+    new, metrics = rk.update(state, _batch(tiny_model, b=4))
+    assert "step" not in metrics and new.step == 1
+    assert all(isinstance(v, float) for v in metrics.values())
+
+
+def test_an_interrupt_after_an_optimizer_step_donates_the_state(tiny_model, char_tok):
+    """Ctrl-C inside update after the first optimizer step left the input state usable, its
+    weights and moments already changed in place (and rk.fit handed it back as the state after
+    the previous step). An exception before any step leaves it usable, as it was."""
+    batch = _batch(tiny_model)
+    state = rk.init(tiny_model, rk.optim.adamw(lr=1e-2), tokenizer=char_tok)
+    snapshot = state.replace()
+
+    steps = []
+
+    def interrupt_the_second_step(*args):
+        steps.append(1)
+        if len(steps) == 2:
+            raise KeyboardInterrupt
+
+    hook = state.optimizer.register_step_post_hook(interrupt_the_second_step)
+    with pytest.raises(KeyboardInterrupt):
+        rk.update(state, batch, mini_batch_size=4)  # two optimizer steps: the second is interrupted
+    hook.remove()
+    for handle in (state, snapshot):
+        with pytest.raises(rk.DonatedStateError, match=r"did not finish \(KeyboardInterrupt interrupted it mid-update, "
+                                                       r"after 1 optimizer step\(s\) of 2\).*checkpoint"):
+            handle.step  # noqa: B018
+
+    def broken_loss(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    fresh = rk.init(copy.deepcopy(tiny_model), rk.optim.adamw(lr=1e-2), tokenizer=char_tok)
+    with pytest.raises(KeyboardInterrupt):
+        rk.update(fresh, batch, loss=broken_loss)
+    assert fresh.step == 0 and not fresh.is_donated  # nothing changed: usable
+
+
+def test_fit_does_not_hand_back_a_state_interrupted_mid_update(char_tok):
+    task = rk.tasks.arithmetic(n_train=8, n_test=4)
+    model = rk.models.tiny(task.tokenizer, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1, seed=0)
+    state = rk.init(model, rk.optim.adamw(lr=1e-2), tokenizer=task.tokenizer)
+    steps = []
+
+    def hook(*args):
+        steps.append(1)
+        if len(steps) == 2:
+            raise KeyboardInterrupt
+
+    state.optimizer.register_step_post_hook(hook)
+    recipe = rk.recipes.get("grpo", n=2, max_new_tokens=3)
+    with pytest.raises(KeyboardInterrupt) as info:
+        rk.fit(state, recipe, task.reward, task.train, steps=3, batch_size=2)
+    assert info.value.state is None and len(info.value.history) == 1
+    assert any("mid-update and is not usable" in note for note in info.value.__notes__)
+
+
+def test_gmpo_through_update_equals_a_direct_call(tiny_model, char_tok):
+    """gmpo divided a direct call by every row (empty ones included) but update passed the rows
+    with a valid token: the same batch had two losses."""
+    from rlkit.algos import POLICY_LOSSES
+
+    batch = make_batch([[3, 4]] * 4, [[5, 6, 7], [8, 9], [], [10]], group=[0, 0, 1, 1], rewards=[0.0] * 4)
+    lp, _ = model_logprobs(tiny_model, batch)
+    batch.set("logprobs", lp)
+    batch.set("advantages", torch.tensor([[1.0, 1.0, 1.0], [-0.5, -0.5, 0.0], [0.0] * 3, [2.0, 0.0, 0.0]]) * batch["response_mask"])
+    direct, _ = POLICY_LOSSES.get("gmpo")(lp, lp, batch["advantages"], batch["response_mask"])
+    # ratio 1: the mean over the 3 non-empty rows of -(sequence advantage)
+    assert direct.item() == pytest.approx(-(1.0 - 0.5 + 2.0) / 3, rel=1e-6)
+    state = rk.init(tiny_model, rk.optim.adamw(lr=1e-3), tokenizer=char_tok)
+    _, metrics = rk.update(state, batch, loss="gmpo", max_logprob_gap=None)
+    assert metrics["actor/pg_loss"] == pytest.approx(direct.item(), rel=1e-5)
