@@ -284,6 +284,13 @@ def _checked_device(device: torch.device | str, where: str = "") -> torch.device
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"{lead}device={device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N' (e.g. 'cuda:0')") from None
+    if dev.type not in ("cpu", "cuda"):
+        # torch parses 'mps', 'xla', 'meta' ... and fails later, in model.to(), with a traceback
+        backend = getattr(torch, dev.type, None) if dev.type != "meta" else None
+        available = getattr(backend, "is_available", None)
+        if not (callable(available) and available()):
+            raise ValueError(f"{lead}device={device!r}: this torch ({torch.__version__}) has no usable {dev.type!r} device; "
+                             "use 'cpu', 'cuda' or 'cuda:N' (e.g. 'cuda:0')")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"{lead}device={device!r}, but this torch ({torch.__version__}) sees no CUDA GPU; "

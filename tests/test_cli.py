@@ -42,6 +42,7 @@ def test_run_on_two_processes_writes_a_loadable_model(tmp_path, child_env):
     (["--kl", "-0.1"], "option 'kl' must be >= 0"),
     (["--nproc-per-node", "0"], "option 'nproc_per_node' must be >= 1"),
     (["--device", "gpu"], "device='gpu' is not a device"),
+    (["--device", "meta"], "device='meta': this torch .* has no usable 'meta' device; use 'cpu', 'cuda'"),
     (["--temperature", "0"], "temperature must be > 0 for RL sampling"),
     (["--lr", "0"], r"option 'lr' \(--lr\) must be a positive finite number, got 0.0"),
     (["--sft-lr", "nan"], r"option 'sft_lr' \(--sft-lr\) must be a positive finite number, got nan"),

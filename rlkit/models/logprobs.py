@@ -813,7 +813,12 @@ def token_logprobs(
     z = logits.float() / temperature
     lse = torch.logsumexp(z, dim=-1)
     logprobs = z.gather(-1, targets[:, None]).squeeze(-1) - lse
-    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else None
+    if with_entropy:
+        p = torch.softmax(z, dim=-1)
+        # a -inf logit (a masked vocabulary entry) has p = 0: its term is 0, not 0 * -inf = NaN
+        entropy = lse - (p * torch.where(p > 0, z, torch.zeros_like(z))).sum(-1)
+    else:
+        entropy = None
     return logprobs, entropy
 
 

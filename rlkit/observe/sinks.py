@@ -6,7 +6,7 @@ A sink is any object with ``on_step(step: int, metrics: dict)`` and optionally `
 is about to log again (a run killed after step 3 and resumed from its step-2 checkpoint logged step
 3 twice).
 
-The step is the ``step`` argument: a metric named ``"step"`` (``rk.update`` reports one) is not
+The step is the ``step`` argument: a metric named ``"step"`` is not
 logged as a metric, and never replaces it.
 """
 from __future__ import annotations

@@ -314,3 +314,18 @@ def test_take_rows_gathers_like_indexing_with_gradients_summed_over_repeats(monk
     torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-12)
     torch.testing.assert_close(grad[6], grad_out[0, 1] + grad_out[0, 2] + grad_out[1, 2])
     assert (grad[[1, 3, 4, 5]] == 0).all()
+
+
+def test_token_entropy_with_a_minus_inf_logit_is_finite_with_a_finite_gradient():
+    """A masked vocabulary entry (-inf logit) has probability 0 and adds nothing to the entropy;
+    ``softmax(z) * z`` made it 0 * -inf = NaN, in the value and the gradient."""
+    from rlkit.models.logprobs import token_logprobs
+
+    z = torch.tensor([[1.0, -0.5, float("-inf"), 2.0], [0.3, float("-inf"), float("-inf"), 0.1]], requires_grad=True)
+    targets = torch.tensor([3, 0])
+    lp, ent = token_logprobs(z, targets, with_entropy=True)
+    finite = [z.detach()[i][torch.isfinite(z.detach()[i])] for i in range(2)]
+    expected = torch.stack([-(f.softmax(-1) * f.log_softmax(-1)).sum() for f in finite])  # over the reachable tokens only
+    assert torch.allclose(ent, expected, atol=1e-6) and torch.isfinite(lp).all()
+    (ent.sum() + lp.sum()).backward()
+    assert torch.isfinite(z.grad).all()
