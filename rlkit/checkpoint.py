@@ -804,6 +804,11 @@ def load(
     if engine is not None:
         # an engine built before the load may hold a copy of the template's weights: force a sync
         engine.policy_version = -1
+    if "synced_version" in template._cache:
+        # split placement: the rollout ranks load no model (their engine gets the actor ranks'
+        # weights); a checkpoint whose policy_version equalled the last one sent sampled from the
+        # template's weights until the first update
+        template._cache["synced_version"] = None
     restored = template.replace(
         step=trainer["step"],
         policy_version=trainer["policy_version"],

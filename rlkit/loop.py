@@ -144,6 +144,9 @@ def _check_fit_args(state, recipe, reward, steps, sinks, checkpointer):
         from rlkit.recipes import get
 
         recipe = get(recipe)
+    from rlkit.recipes import check_not_uncalled
+
+    check_not_uncalled(recipe, "fit")
     if not callable(getattr(recipe, "step", None)):
         raise TypeError(f"fit: recipe must be a recipe (rk.recipes.get('grpo'), or any object with "
                         f".step(state, prompts, reward)), got {type(recipe).__name__}")

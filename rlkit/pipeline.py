@@ -89,7 +89,11 @@ class Pipeline:
             from rlkit.recipes import get
 
             object.__setattr__(self, "step", get(self.step))  # a recipe name: that recipe's defaults
-        elif not (callable(getattr(self.step, "step", None)) or callable(self.step)):
+        else:
+            from rlkit.recipes import check_not_uncalled
+
+            check_not_uncalled(self.step, "Pipeline")
+        if not (callable(getattr(self.step, "step", None)) or callable(self.step)):
             raise TypeError(
                 "Pipeline: step must be a recipe (rk.recipes.get('grpo')), a recipe name such as 'grpo', or a "
                 f"function step(state, prompts, reward) -> (state, metrics); got {type(self.step).__name__}"
@@ -209,6 +213,11 @@ class Plan:
             if self.release_rollout_memory:
                 return state.replace(_cache={**state._cache, "release_engine": True})
             return state
+        if "dp" in state._cache or "split" in state._cache:
+            # a notebook cell run again: the actor is sharded already, and building the engine from
+            # its DTensors failed with an error about the engine
+            raise ValueError("Plan.shard: this state is lowered already (Plan.shard was called on it, or on the state it "
+                             "came from); shard the state from rk.init (or a checkpoint loaded into one) once")
         from rlkit.engines.torch_engine import TorchEngine
         from rlkit.models.logprobs import LogprobModule, ValueModule
         from rlkit.parallel import fsdp

@@ -205,6 +205,33 @@ def test_recipes_check_names_and_dapo_attempts_when_built():
         rk.recipes.get("grpo", loss_kw={"num_tokens": 3, "agg": "token-mean"})  # "got multiple values" at the first update
 
 
+def test_recipes_check_estimator_kl_engine_and_dapo_shaping_when_built():
+    """Each of these was accepted and failed only after the first rollout, or never: entropy_coef
+    nan skipped every optimizer step with warnings, overlong_factor -1 made the penalty a bonus,
+    an overlong_buffer over max_new_tokens punished every response, and overlong_factor nan read
+    as a broken reward function."""
+    for kwargs, message in [
+        (dict(estimator="bogus"), "GRPO: .*bogus"),
+        (dict(kl=("bogus_kl", 1e-3)), "GRPO: .*bogus_kl"),
+        (dict(engine="bogus"), "GRPO: engine='bogus' is not an engine; give one of torch, hf, vllm"),
+        (dict(entropy_coef=float("nan")), "GRPO.entropy_coef must be a finite number"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            rk.recipes.GRPO(**kwargs)
+    for kwargs, message in [
+        (dict(overlong_factor=-1.0), "DAPO.overlong_factor must be a finite number >= 0"),
+        (dict(overlong_factor=float("nan")), "DAPO.overlong_factor must be a finite number >= 0"),
+        (dict(overlong_buffer=100, max_new_tokens=16), "DAPO.overlong_buffer=100 exceeds max_new_tokens=16"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            rk.recipes.get("dapo", **kwargs)
+    with pytest.raises(TypeError, match="drgrpo sets \\['agg'\\] itself"):
+        rk.recipes.drgrpo(agg="token-mean")  # "got multiple values for keyword argument"
+    with pytest.raises(TypeError, match="rloo sets estimator='rloo' itself"):
+        rk.recipes.rloo(estimator="grpo")
+    assert rk.recipes.get("grpo", engine="hf", kl=("k3", 1e-3)).engine == "hf"  # valid ones still go
+
+
 def test_fit_checks_its_arguments_before_the_first_step(task, state):
     recipe = rk.recipes.get("grpo", n=2, max_new_tokens=3)
     bad = [({"recipe": 3}, TypeError, "recipe must be a recipe"),

@@ -287,6 +287,13 @@ def test_pipeline_checks_its_step_and_reward():
     for ok in (reward, [reward, reward], {"r": reward}):
         assert rk.Pipeline(recipe, reward=ok).reward is ok
     assert rk.Pipeline(recipe.step, reward)._fn() == recipe.step
+    # a recipe class or factory looked like a step function and failed at the first step
+    for uncalled, fix in ((rk.recipes.GRPO, r"rk.recipes.GRPO\(...\)"), (rk.recipes.drgrpo, r"rk.recipes.drgrpo\(...\)")):
+        with pytest.raises(TypeError, match=fix):
+            rk.Pipeline(uncalled, reward)
+    task = _task()
+    with pytest.raises(TypeError, match=r"fit: rk.recipes.rloo makes a recipe"):
+        rk.fit(rk.init(_model(task), _spec(), tokenizer=task.tokenizer), rk.recipes.rloo, reward, task.train, steps=1, batch_size=4)
 
 
 def _split_worker():
@@ -402,6 +409,54 @@ def test_split_placement_actor_and_rollout_on_different_ranks():
     got = _strip(results[0]["actor"], "model.")
     for name, ref in state.actor.state_dict().items():
         torch.testing.assert_close(got[name], ref, atol=2e-6, rtol=1e-5, msg=name)
+
+
+def _split_load_worker(path):
+    from rlkit.parallel import init_distributed, shutdown, split_placement
+
+    init_distributed("gloo")
+    try:
+        task = _task()
+        plan = rk.Pipeline(rk.recipes.get("grpo"), reward=_digits).lower(split_placement({"actor": 1, "rollout": 1}))
+        state = plan.shard(rk.init(_model(task, seed=0), _spec(), tokenizer=task.tokenizer))
+        prompts = task.train.batch_at(0, 4, shuffle=False)
+        rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=0.0)  # the rollout rank now holds version 0
+        errors = {}
+        for name, call in (("hf", lambda: rk.rollout(state, prompts, n=2, max_new_tokens=4, engine="hf")),
+                           ("shard_again", lambda: plan.shard(state))):
+            try:
+                call()
+                errors[name] = None
+            except ValueError as e:
+                errors[name] = str(e)
+        state = rk.checkpoint.load(state, path)  # other weights, saved at the same policy version 0
+        after = rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=0.0)
+        return {"after": after["response_ids"].clone(), "logprobs": after["logprobs"].clone(), "errors": errors}
+    finally:
+        shutdown()
+
+
+def test_split_placement_rolls_out_a_loaded_checkpoints_weights(tmp_path):
+    """The rollout rank loads no model: its engine gets the actor rank's weights when the policy
+    version moves. A checkpoint of the version it last received (a warmed-up model saved before
+    RL) left it sampling from the template's weights until the first update. Also on a lowered
+    state: another engine kind, and shard called again, are refused in one line (they failed
+    deep inside generate, or with an error about building the engine)."""
+    from rlkit.parallel.local import run_local
+
+    task = _task()
+    saved = rk.init(_model(task, seed=7), _spec(), tokenizer=task.tokenizer)
+    path = rk.checkpoint.save(saved, tmp_path)
+    expected = rk.rollout(saved, task.train.batch_at(0, 4, shuffle=False), n=2, max_new_tokens=4, temperature=0.0)
+    template = rk.rollout(rk.init(_model(task, seed=0), _spec(), tokenizer=task.tokenizer), task.train.batch_at(0, 4, shuffle=False),
+                          n=2, max_new_tokens=4, temperature=0.0)
+    assert not torch.allclose(template["logprobs"], expected["logprobs"], atol=1e-3)  # the two models tell apart
+    for r in run_local(_split_load_worker, 2, str(path), timeout=240):
+        width = expected["response_ids"].shape[1]
+        assert torch.equal(r["after"][:, :width], expected["response_ids"])
+        torch.testing.assert_close(r["logprobs"][:, :width], expected["logprobs"], atol=1e-5, rtol=1e-5)
+        assert "engine='hf': this state is lowered" in r["errors"]["hf"]
+        assert "Plan.shard: this state is lowered already" in r["errors"]["shard_again"]
 
 
 def _tp_worker():

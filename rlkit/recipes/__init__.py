@@ -27,4 +27,17 @@ def get(name: str, **kwargs) -> Recipe:
     return factory(**kwargs)
 
 
+def check_not_uncalled(obj, where: str) -> None:
+    """Refuse a recipe class (``rk.recipes.GRPO``) or factory (``rk.recipes.drgrpo``) where a recipe
+    is expected: one looked like a step function and failed at the first step with "step()
+    missing 1 required positional argument" or "takes 0 positional arguments"."""
+    if isinstance(obj, type) and issubclass(obj, Recipe):
+        raise TypeError(f"{where}: {obj.__name__} is a recipe class; pass an instance, rk.recipes.{obj.__name__}(...) "
+                        "or rk.recipes.get(name)")
+    for name, factory in RECIPES.items():
+        if obj is factory:
+            raise TypeError(f"{where}: rk.recipes.{factory.__name__} makes a recipe; pass rk.recipes.{factory.__name__}(...) "
+                            f"or rk.recipes.get({name!r})")
+
+
 __all__ = ["Recipe", "GRPO", "DAPO", "PPO", "CriticFree", "drgrpo", "rloo", "reinforce_pp", "RECIPES", "get", "reward_metrics"]

@@ -1,12 +1,14 @@
 """What every recipe shares: a frozen config with ``step(state, prompts, reward) -> (state, metrics)``."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
 
-from rlkit._checks import int_at_least, positive_finite_or_none
+from rlkit._checks import int_at_least, is_real, positive_finite_or_none
 from rlkit.batch import Batch
 
 
@@ -87,12 +89,28 @@ class Recipe:
         from rlkit.algos import AGGREGATIONS
         from rlkit.transforms.update import _resolve_loss
 
+        from rlkit.algos import ADVANTAGE_ESTIMATORS, KL_PENALTIES
+
         try:
             _resolve_loss(self.loss, self.loss_kw)
             if self.agg is not None:
                 AGGREGATIONS.get(self.agg)
+            # and the estimator, the KL mode and the engine: they failed after the first rollout
+            estimator = getattr(self, "estimator", None)
+            if isinstance(estimator, str):
+                ADVANTAGE_ESTIMATORS.get(estimator)
+            if self.kl is not None and isinstance(self.kl[0], str):
+                KL_PENALTIES.get(self.kl[0])
         except (KeyError, ValueError, TypeError) as e:
             raise ValueError(f"{name}: {e}") from None
+        from rlkit.transforms.rollout import ENGINES
+
+        if self.engine is not None and not (self.engine in ENGINES if isinstance(self.engine, str) else callable(getattr(self.engine, "generate", None))):
+            raise ValueError(f"{name}: engine={self.engine!r} is not an engine; give one of {', '.join(ENGINES)}, an Engine object, "
+                             "or None (the built-in engine)")
+        if not is_real(self.entropy_coef) or not math.isfinite(self.entropy_coef):
+            # nan made every optimizer step non-finite: each was skipped, with only warnings
+            raise ValueError(f"{name}.entropy_coef must be a finite number (0: no entropy bonus), got {self.entropy_coef!r}")
 
     def with_(self, **changes) -> "Recipe":
         return replace(self, **changes)

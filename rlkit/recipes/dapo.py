@@ -10,12 +10,14 @@
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from rlkit._checks import int_at_least
+from rlkit._checks import int_at_least, is_real
 from rlkit.recipes.base import Recipe, group_reward_range, reward_metrics
 from rlkit.state import fold_in
 from rlkit.transforms.advantage import advantage
@@ -50,6 +52,14 @@ class DAPO(Recipe):
         super().__post_init__()
         int_at_least(self.max_attempts, "DAPO.max_attempts", 1, " (rollouts per step to fill the batch)")
         int_at_least(self.overlong_buffer, "DAPO.overlong_buffer", 0)
+        if self.overlong_buffer > self.max_new_tokens:
+            # the penalty would start before the first token: every response punished
+            raise ValueError(f"DAPO.overlong_buffer={self.overlong_buffer} exceeds max_new_tokens={self.max_new_tokens}: the "
+                             "penalty ramps over the last overlong_buffer tokens before max_new_tokens; give at most "
+                             f"{self.max_new_tokens} (0: no overlong shaping)")
+        if not is_real(self.overlong_factor) or not math.isfinite(self.overlong_factor) or self.overlong_factor < 0:
+            # -1 made the penalty a bonus for long responses; nan read as a broken reward
+            raise ValueError(f"DAPO.overlong_factor must be a finite number >= 0 (the largest penalty), got {self.overlong_factor!r}")
 
     def step(self, state, prompts, reward):
         kept, sampled, attempts = [], 0, 0

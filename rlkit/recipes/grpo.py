@@ -33,4 +33,8 @@ def drgrpo(**kw) -> GRPO:
     The loss sums each mini-batch's token losses and divides by ``max_new_tokens`` (the update's
     ``horizon``, see :meth:`Recipe.update_kwargs`), the same constant at every step whatever the
     batch's longest response."""
+    fixed = sorted({"estimator", "agg"} & set(kw))
+    if fixed:
+        raise TypeError(f"drgrpo sets {fixed} itself (estimator 'drgrpo', agg 'seq-mean-token-sum-norm'); for other values "
+                        "use rk.recipes.GRPO(...) directly")
     return GRPO(estimator="drgrpo", agg="seq-mean-token-sum-norm", **kw)

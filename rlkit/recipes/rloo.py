@@ -30,6 +30,8 @@ class CriticFree(Recipe):
 
 
 def rloo(**kw) -> CriticFree:
+    if "estimator" in kw:
+        raise TypeError("rloo sets estimator='rloo' itself; for another, use rk.recipes.CriticFree(estimator=...)")
     return CriticFree(estimator="rloo", **kw)
 
 
@@ -37,4 +39,6 @@ def reinforce_pp(**kw) -> CriticFree:
     """The ``"reinforce++"`` recipe: REINFORCE++ with the group-mean baseline, i.e. the
     ``"reinforce++_baseline"`` estimator (not ``rk.advantage``'s plain ``"reinforce++"``, which
     whitens the batch's returns without a baseline; ``CriticFree(estimator="reinforce++")`` runs that)."""
+    if "estimator" in kw:
+        raise TypeError("reinforce_pp sets estimator='reinforce++_baseline' itself; for another, use rk.recipes.CriticFree(estimator=...)")
     return CriticFree(estimator="reinforce++_baseline", **kw)

@@ -11,7 +11,7 @@ impossible by construction.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -54,11 +54,22 @@ def get_engine(state: TrainState, engine: str | Engine | None = None) -> Engine:
     # rollout(engine="hf") used to become the default of every later call on the state
     kind = engine or "torch"
     current = cache.get("engine")
+    _check_lowered_engine(cache, kind)
     if current is None or cache.get("engine_kind") != kind:
         current = make_engine(state, kind)
         current.policy_version = state.policy_version
         cache["engine"], cache["engine_kind"] = current, kind
     return current
+
+
+def _check_lowered_engine(cache: dict, kind: Any) -> None:
+    """A lowered state generates with the engine its plan built: its actor is sharded (DTensors),
+    so another engine built over it failed deep inside generate (and replaced the plan's engine);
+    under split placement the choice was silently ignored."""
+    if ("dp" in cache or "split" in cache) and kind != cache.get("engine_kind", "torch"):
+        raise ValueError(f"engine={kind!r}: this state is lowered onto several processes (Plan.shard), and generates "
+                         f"with the engine its plan built ({cache.get('engine_kind', 'torch')!r}); leave engine unset "
+                         "(None) on a lowered state, or use the other engine on one process")
 
 
 def sync_engine(state: TrainState, engine: Engine) -> dict[str, float]:
@@ -136,6 +147,8 @@ def rollout(
                             stop_token_ids=tuple(stop_token_ids), ignore_stop=ignore_stop)
     key = fold_in(state.seed, state.step, "rollout") if seed is None else seed
     if "split" in state._cache:
+        if engine is not None:
+            _check_lowered_engine(state._cache, engine if isinstance(engine, str) else type(engine).__name__)
         return _split_rollout(state, prompts, params, key, decode)
     eng = get_engine(state, engine)
     with torch.profiler.record_function("rlkit.weight_sync"):  # names the range in a profiler trace
