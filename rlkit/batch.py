@@ -95,7 +95,7 @@ def _pad(rows: Sequence[Sequence[int]], pad: int, left: bool) -> tuple[torch.Ten
     the right. One tensor from all the tokens, placed with one masked assignment (row-major order
     is each row's tokens in order): a loop of per-row copies took 5 ms for 256 rows of 64 tokens
     on a GPU host, with the GPU idle while the rollout's batch was built."""
-    rows = [r.tolist() if isinstance(r, torch.Tensor) else r for r in rows]
+    rows = [r.tolist() if isinstance(r, torch.Tensor) or _is_ndarray(r) else r for r in rows]
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
     width = int(lengths.max()) if len(rows) else 0
     col = torch.arange(width)
@@ -113,21 +113,29 @@ def _pad_left(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, to
     return _pad(rows, pad, left=True)
 
 
+def _is_ndarray(x: Any) -> bool:
+    """A numpy array, without importing numpy (rows from a tokenizer's ``return_tensors="np"``)."""
+    return type(x).__module__ == "numpy" and type(x).__name__ == "ndarray"
+
+
 def _check_token_rows(rows: Any, name: str) -> None:
-    """Each row a sequence of token ids (ints >= 0): a flat list, text or float ids used to fail
-    in padding with a bare TypeError, or be truncated to other tokens without a word."""
+    """Each row a sequence of token ids (ints >= 0): a list, or a 1-d integer tensor or numpy
+    array. A flat list, text or float ids used to fail in padding with a bare TypeError, or be
+    truncated to other tokens without a word."""
     if isinstance(rows, torch.Tensor):
         if rows.dtype.is_floating_point or rows.dtype == torch.bool or rows.dim() != 2:
             raise BatchError(f"{name} must be rows of integer token ids (a list of lists, or a 2-d integer tensor); got a {rows.dim()}-d {rows.dtype} tensor")
         return
     for i, row in enumerate(rows):
-        if isinstance(row, (str, bytes)) or not isinstance(row, (Sequence, torch.Tensor)):
+        if isinstance(row, torch.Tensor) or _is_ndarray(row):
+            integral = row.dtype.kind in "iu" if _is_ndarray(row) else not (row.dtype.is_floating_point or row.dtype.is_complex or row.dtype == torch.bool)
+            if not integral or row.ndim != 1:
+                raise BatchError(f"{name} row {i} is a {row.ndim}-d {row.dtype} {type(row).__name__}; give 1-d integer token ids")
+            row = row.tolist()
+        elif isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
             raise BatchError(f"{name} row {i} is {type(row).__name__} {row!r:.40}; give a list of token ids per row "
-                             "(tokenize text first; a flat list is one row per id: wrap it as [ids])")
-        if isinstance(row, torch.Tensor):
-            if row.dtype.is_floating_point or row.dim() > 1:
-                raise BatchError(f"{name} row {i} is a {row.dim()}-d {row.dtype} tensor; give 1-d integer token ids")
-            continue
+                             "(tokenize text first; a flat list is one row per id: wrap it as [ids]; other containers: "
+                             "convert them with list(...) or .tolist())")
         bad = next((t for t in row if not is_int(t) or t < 0), None)
         if bad is not None:
             raise BatchError(f"{name} row {i} holds {bad!r}; token ids are ints >= 0")
@@ -169,8 +177,15 @@ def make_batch(
         )
     if len(prompt_ids) == 0:
         raise BatchError("prompt_ids is empty: a Batch needs at least one row")
+    if not is_int(pad_token_id) or pad_token_id < 0:
+        raise BatchError(f"pad_token_id must be a token id (an int >= 0), got {pad_token_id!r}; pass the tokenizer's "
+                         "pad_token_id, or its eos_token_id when it has none (pads are masked, any real id will do)")
     _check_token_rows(prompt_ids, "prompt_ids")
     _check_token_rows(response_ids, "response_ids")
+    empty = next((i for i, row in enumerate(prompt_ids) if len(row) == 0), None)
+    if empty is not None:
+        raise BatchError(f"prompt_ids row {empty} is empty; every row needs at least one prompt token (the first response "
+                         "token is predicted from the last prompt token: start it with the tokenizer's BOS token)")
     if group is not None:
         group = _check_numbers(group, "group", integral=True,
                                hint="one int per row, equal for the samples of one prompt (map labels to ints first)")
@@ -228,7 +243,13 @@ def row_tokens(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
 
 
 def set_column(batch: Batch, name: str, values: Sequence[Any]) -> None:
-    """Attach a non-tensor per-row column (text, answers, metadata)."""
+    """Attach a non-tensor per-row column (text, answers, metadata), or replace one.
+
+    ``name`` may be any string but the batch's tensor fields (:data:`FIELDS`), ``reward/...`` and
+    the keywords ``rk.score`` passes reward functions (:func:`check_column_names`): a column of
+    that name would replace the tensor (or collide with the keyword). The text columns
+    (``prompt_text``, ``response_text``) and ``rollout_metrics`` are the batch's own and settable."""
+    check_column_names([name], "set_column", allow=(*TEXT_FIELDS, "rollout_metrics"))
     values = list(values)
     if len(values) != batch.batch_size[0]:
         raise BatchError(f"column {name!r} has {len(values)} values but the batch has {batch.batch_size[0]} rows")
@@ -261,10 +282,19 @@ def _kind(t: torch.Tensor) -> str:
 
 
 def validate(batch: Batch, require: Iterable[str] = ()) -> Batch:
-    """Check field shapes, dtypes and masks; raise :class:`BatchError` naming the bad field.
+    """Check a Batch's structure; raise :class:`BatchError` naming the bad field.
 
-    ``require``: fields that must be present (e.g. ``("rewards",)`` before ``advantage``).
-    Returns the batch so calls can be chained.
+    Checks: ``batch`` is a TensorDict with one batch dimension; every field in ``require`` is
+    present (e.g. ``("rewards",)`` before ``advantage``); each field of :data:`FIELDS` that is
+    present is a tensor of its rank and dtype kind, its width equal to ``prompt_ids``' (prompt
+    fields) or ``response_ids``' (response-aligned fields); ``rewards`` are finite; and
+    ``response_mask`` is not all False. Returns the batch so calls can be chained.
+
+    Not checked here: the masks' padding direction and the token ids' range. The scoring,
+    advantage and loss functions take response masks with holes (multi-turn observation tokens);
+    the training forward (:func:`rlkit.models.logprobs.response_view`) needs left-padded prompts
+    with at least one token per row, right-padded responses and ids in the model's vocabulary,
+    and checks those itself. :func:`make_batch` always builds such masks.
     """
     if not isinstance(batch, TensorDict):
         raise BatchError(f"expected a Batch (tensordict.TensorDict), got {type(batch).__name__}; build one with rlkit.make_batch")

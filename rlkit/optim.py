@@ -12,11 +12,19 @@ from typing import Iterable
 
 import torch
 
+from rlkit._checks import is_int, is_real
+
 SCHEDULES = ("constant", "cosine", "linear")
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
+    """AdamW settings and the LR schedule (:meth:`lr_factor`). Checked on construction:
+    ``lr`` a finite number > 0; ``eps`` and ``weight_decay`` finite numbers >= 0; ``betas`` two
+    numbers in [0, 1); ``warmup_steps`` an int >= 0; ``total_steps`` None or an int >= 1, required
+    by the decaying schedules ("cosine", "linear"), which also need ``warmup_steps <=
+    total_steps``; ``min_lr_ratio`` in [0, 1]; ``fused`` a bool or None (rlkit picks)."""
+
     lr: float = 1e-6
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -28,16 +36,42 @@ class OptimizerSpec:
     fused: bool | None = None
 
     def __post_init__(self):
+        # types first: a YAML "1e-3" is a string, and a fractional warmup (0.1 * steps) made the
+        # warmup factor (step + 1) / warmup_steps overshoot 1 (lr x 1.33 at warmup_steps=1.5)
+        for name in ("lr", "eps", "weight_decay", "min_lr_ratio"):
+            value = getattr(self, name)
+            if not is_real(value):
+                raise ValueError(f"optimizer {name} must be a number, got {type(value).__name__} {value!r}"
+                                 + (" (convert it with float(...))" if isinstance(value, str) else ""))
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"optimizer lr must be a positive finite number, got {self.lr!r}")
+        for name in ("eps", "weight_decay"):
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise ValueError(f"optimizer {name} must be a finite number >= 0, got {value!r}")
+        if (not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2
+                or not all(is_real(b) and 0 <= b < 1 for b in self.betas)):
+            raise ValueError(f"optimizer betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown LR schedule {self.schedule!r}; valid: {', '.join(SCHEDULES)}")
-        if self.schedule != "constant" and not self.total_steps:
-            raise ValueError(f"schedule={self.schedule!r} needs total_steps (the step count the schedule decays over)")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not is_int(self.warmup_steps) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0 (a count of optimizer steps; round a fraction of "
+                             f"total_steps with int(...)), got {type(self.warmup_steps).__name__} {self.warmup_steps!r}")
+        if self.total_steps is not None and (not is_int(self.total_steps) or self.total_steps < 1):
+            raise ValueError(f"total_steps must be an int >= 1 or None (no schedule length), got "
+                             f"{type(self.total_steps).__name__} {self.total_steps!r}")
+        if self.schedule != "constant":
+            if self.total_steps is None:
+                raise ValueError(f"schedule={self.schedule!r} needs total_steps (the step count the schedule decays over)")
+            if self.warmup_steps > self.total_steps:
+                raise ValueError(
+                    f"warmup_steps={self.warmup_steps} exceeds total_steps={self.total_steps}: schedule={self.schedule!r} "
+                    f"would never decay; use warmup_steps=min(warmup_steps, total_steps) or fewer warmup steps"
+                )
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.fused is not None and not isinstance(self.fused, bool):
+            raise ValueError(f"fused must be True, False or None (rlkit picks), got {self.fused!r}")
 
     def lr_factor(self, step: int) -> float:
         """Multiplier of ``lr`` at optimizer step ``step`` (0-based): linear warmup, then decay."""

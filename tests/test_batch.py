@@ -150,3 +150,62 @@ def test_make_batch_names_rows_it_cannot_take(kwargs, match):
     args = {"prompt_ids": [[5], [6]], "response_ids": [[7], [8]], **kwargs}
     with pytest.raises(BatchError, match=match):
         make_batch(args.pop("prompt_ids"), args.pop("response_ids"), **args)
+
+
+def test_set_column_refuses_the_batchs_tensor_fields_and_keeps_its_text_columns_settable():
+    from rlkit.batch import set_column
+
+    b = make_batch([[1], [2, 3]], [[4, 5], [6]], rewards=[1.0, 0.0])
+    for name in ("rewards", "response_mask", "prompt_ids", "reward/exact", "completions"):
+        with pytest.raises(BatchError, match=rf"set_column: column name\(s\) \['{name}'\] are reserved"):
+            set_column(b, name, ["x", "y"])
+    assert isinstance(b.get("rewards"), torch.Tensor) and isinstance(b.get("response_mask"), torch.Tensor)
+    validate(b)
+    for name in ("prompt_text", "response_text", "answer"):
+        set_column(b, name, ["x", "y"])
+        assert column(b, name) == ["x", "y"]
+    set_column(b, "response_text", ["z", "w"])  # replacing a text column still works
+    assert column(b, "response_text") == ["z", "w"]
+
+
+def test_make_batch_refuses_a_pad_id_that_is_not_a_token_id():
+    for bad in (-1, None, 1.0):
+        with pytest.raises(BatchError, match=rf"pad_token_id must be a token id \(an int >= 0\), got {bad!r}"):
+            make_batch([[1]], [[2, 3], ], pad_token_id=bad)
+    assert make_batch([[1], [2, 3]], [[4]] * 2, pad_token_id=9)["prompt_ids"].tolist() == [[9, 1], [2, 3]]
+
+
+def test_make_batch_refuses_an_empty_prompt_row():
+    """The forward predicts a row's first response token from its last prompt token: an empty
+    prompt row used to build and then fail in the forward with a message about prompt_mask."""
+    with pytest.raises(BatchError, match="prompt_ids row 1 is empty; every row needs at least one prompt token"):
+        make_batch([[1], [], [2]], [[3], [4], [5]])
+    make_batch([[1], [2]], [[3], []])  # an empty response row is fine (no token to train on)
+
+
+def test_make_batch_takes_integer_numpy_and_tensor_rows():
+    np = pytest.importorskip("numpy")
+    b = make_batch([np.array([1, 2]), torch.tensor([3]), [4]], [np.array([5], dtype=np.int32), [6, 7], np.array([8, 9], dtype=np.uint8)])
+    assert b["prompt_ids"].tolist() == [[1, 2], [0, 3], [0, 4]]
+    assert b["response_ids"].tolist() == [[5, 0], [6, 7], [8, 9]]
+    assert b["response_mask"].tolist() == [[True, False], [True, True], [True, True]]
+    with pytest.raises(BatchError, match="prompt_ids row 0 is a 1-d float64 ndarray; give 1-d integer token ids"):
+        make_batch([np.array([1.0])], [[2]])
+    with pytest.raises(BatchError, match="response_ids row 0 is a 2-d int64 ndarray"):
+        make_batch([[1]], [np.array([[2]])])
+    with pytest.raises(BatchError, match="response_ids row 0 holds -1; token ids are ints >= 0"):
+        make_batch([[1]], [np.array([-1])])
+    with pytest.raises(BatchError, match="prompt_ids row 0 holds -4"):
+        make_batch([torch.tensor([-4])], [[2]])
+    with pytest.raises(BatchError, match=r"convert them with list\(\.\.\.\) or \.tolist\(\)"):
+        make_batch([{1, 2}], [[3]])
+
+
+def test_validate_docstring_says_the_mask_layout_is_checked_by_the_forward():
+    """validate() checks structure, not the masks' padding direction (scores and advantages take
+    masks with holes); its docstring used to claim it checked the masks."""
+    b = make_batch([[1], [2, 3]], [[4, 5], [6]])
+    b["response_mask"] = torch.tensor([[False, True], [True, False]])
+    assert validate(b) is b
+    doc = validate.__doc__
+    assert "shapes, dtypes and masks" not in doc and "Not checked here: the masks' padding direction" in doc

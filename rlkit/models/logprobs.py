@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from rlkit._checks import input_vocab, is_real
 from rlkit._triton import lazy_kernels
 from rlkit.batch import input_response_mask, packed
 from rlkit.engines.torch_engine import _additive_mask, _small_attention
@@ -494,11 +495,14 @@ def _checkpointing(backbone: nn.Module) -> bool:
 
 def _full_attention_packed(backbone: nn.Module) -> bool:
     """The model can run a custom packed layout: full causal attention in every layer (no sliding
-    window, no gradient checkpointing) through an implementation that reads packed positions.
-    What both shared prompts and varlen attention need."""
+    window, no gradient checkpointing, no attention dropout while training) through an
+    implementation that reads packed positions. What both shared prompts and varlen attention
+    need; without it the packed layout runs through transformers' own attention."""
     config = getattr(backbone, "config", None)
     if config is None or _checkpointing(backbone) or getattr(config, "use_sliding_window", False):
         return False
+    if backbone.training and (getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+        return False  # rlkit's attention functions apply no dropout
     if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
         return False
     return getattr(config, "_attn_implementation", None) in PACKED_ATTENTION
@@ -632,7 +636,14 @@ def _fast_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatur
     return token_logprobs(logits, targets, temperature=temperature, with_entropy=with_entropy)
 
 
-def _check_inputs(prompt_ids, prompt_mask, response_ids, response_mask) -> None:
+def _check_inputs(prompt_ids, prompt_mask, response_ids, response_mask, vocab: int | None = None) -> None:
+    """Check the batch layout the forward relies on: ``(b p)`` / ``(b t)`` shapes, at least one
+    prompt token per row, left-padded prompt masks, right-padded response masks and, when
+    ``vocab`` (the model's embedding rows) is given, every prompt and response id under its mask
+    in ``[0, vocab)``. Each row's last response token is only a target (the drop-last layout
+    never embeds it), so the embedding would not catch a bad one there: on CUDA the fused
+    log-prob kernel would read past the logits row. All of it is one stacked reduction and one
+    host sync; the error paths read more."""
     if prompt_ids.shape != prompt_mask.shape or prompt_ids.dim() != 2:
         raise ValueError(
             f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask {tuple(prompt_mask.shape)} must both be (b p)"
@@ -650,6 +661,7 @@ def _check_inputs(prompt_ids, prompt_mask, response_ids, response_mask) -> None:
             (~prompt_mask[:, -1]).any() if prompt_mask.shape[1] else torch.tensor(True, device=prompt_mask.device),
             (prompt_mask[:, :-1] & ~prompt_mask[:, 1:]).any(),
             (response_mask[:, 1:] & ~response_mask[:, :-1]).any(),
+            *(((ids < 0) | (ids >= vocab)).logical_and_(mask).any() for ids, mask in ((prompt_ids, prompt_mask), (response_ids, response_mask)) if vocab is not None),
         ]
     ).tolist()
     if bad[0]:
@@ -661,6 +673,13 @@ def _check_inputs(prompt_ids, prompt_mask, response_ids, response_mask) -> None:
         raise ValueError("prompt_mask is not left-padded (a pad follows a real token); build batches with rlkit.make_batch")
     if bad[2]:
         raise ValueError("response_mask is not right-padded (a real token follows a pad); build batches with rlkit.make_batch")
+    for name, ids, mask, flagged in zip(("prompt_ids", "response_ids"), (prompt_ids, response_ids), (prompt_mask, response_mask), bad[3:]):
+        if flagged:
+            where = (((ids < 0) | (ids >= vocab)) & mask).nonzero()[0].tolist()
+            raise ValueError(
+                f"{name} holds token id {int(ids[where[0], where[1]])} at row {where[0]}, column {where[1]}, outside the model's "
+                f"vocabulary [0, {vocab}) (its input embedding rows); were the ids made by another tokenizer than the model's?"
+            )
 
 
 @dataclass
@@ -718,10 +737,11 @@ def response_view(
     """The :class:`ResponseView` of a batch for ``backbone`` computing on ``device`` (default:
     where the tensors are). Checks the masks (left-padded prompts, right-padded responses) and
     picks the layout the way :func:`response_hidden` does; built where the tensors are, then
-    moved to ``device``."""
+    moved to ``device``. Also checks that the ids under the masks lie in the backbone's
+    vocabulary (its input embedding rows)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    _check_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    _check_inputs(prompt_ids, prompt_mask, response_ids, response_mask, input_vocab(backbone))
     device = torch.device(device) if device is not None else prompt_ids.device
     prompt_mask, response_mask = prompt_mask.bool(), response_mask.bool()
     targets = response_ids[response_mask]
@@ -767,8 +787,8 @@ def response_hidden(
     sequence with ``position_ids`` restarting per row; transformers turns restarting positions
     into a block-diagonal causal mask (``masking_utils.find_packed_sequence_indices``) when no
     attention mask is given; on CUDA varlen flash attention over ``cu_seqlens`` is used instead
-    (no ``(n n)`` mask, see the module docstring). ``layout="padded"``: the ``(b p+t)`` batch with its attention mask
-    and ``position_ids = cumsum(mask) - 1``.
+    (no ``(n n)`` mask, see the module docstring). ``layout="padded"``: the ``(b p+t)`` batch with its attention mask,
+    ``position_ids = cumsum(mask) - 1`` and id 0 at the pads (whatever the pad id).
 
     ``view``: the batch's :class:`ResponseView`, built beforehand (e.g. on the CPU, see
     :func:`response_view`); ``layout`` and ``share_prompts`` are then the view's.
@@ -794,13 +814,27 @@ def response_hidden(
         hidden = out.last_hidden_state[0]
         return _take_rows(hidden, v.predict_index), view.targets
     prompt_mask, response_mask = prompt_mask.bool(), response_mask.bool()
-    ids = torch.cat([prompt_ids, response_ids], dim=1)
     mask = torch.cat([prompt_mask, response_mask], dim=1)
+    # pads are embedded too (masked out of attention): id 0 there, whatever the pad id (make_batch
+    # takes any, e.g. -1, which the embedding would index out of range)
+    ids = torch.cat([prompt_ids, response_ids], dim=1).masked_fill(~mask, 0)
     position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
     out = backbone(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids, use_cache=False)
     p, t = prompt_ids.shape[1], response_ids.shape[1]
     hidden = out.last_hidden_state[:, p - 1 : p + t - 1]
     return hidden[response_mask], view.targets
+
+
+def _check_temperature(temperature) -> None:
+    """Raise ``ValueError`` unless ``temperature`` is a number > 0 (NaN fails); a tensor passes
+    unread (its value would cost a host sync)."""
+    if isinstance(temperature, torch.Tensor):
+        return
+    if not (is_real(temperature) and temperature > 0):
+        raise ValueError(
+            f"temperature must be > 0 for log-probs, got {temperature!r}; greedy rollouts report temperature-1 "
+            "log-probs, so pass temperature=1.0"
+        )
 
 
 def token_logprobs(
@@ -809,7 +843,10 @@ def token_logprobs(
     """log softmax(logits / T)[target] and the entropy, in float32.
 
     ``logits (m v)``, ``targets (m)``. Entropy (verl): ``H = logsumexp(z) - sum_v softmax(z)_v z_v``.
+    ``temperature``: a number > 0 (``ValueError`` otherwise; a tensor is taken as given, reading
+    it would wait for its device).
     """
+    _check_temperature(temperature)
     z = logits.float() / temperature
     lse = torch.logsumexp(z, dim=-1)
     logprobs = z.gather(-1, targets[:, None]).squeeze(-1) - lse
@@ -928,11 +965,7 @@ class LogprobModule(nn.Module):
         layout: str = "packed",
         view: ResponseView | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not temperature > 0:
-            raise ValueError(
-                f"temperature must be > 0 for log-probs, got {temperature}; greedy rollouts report temperature-1 "
-                "log-probs, so pass temperature=1.0"
-            )
+        _check_temperature(temperature)
         backbone = self.model.base_model
         if view is None:
             view = response_view(backbone, prompt_ids, prompt_mask, response_ids, response_mask, layout=layout)

@@ -329,3 +329,93 @@ def test_token_entropy_with_a_minus_inf_logit_is_finite_with_a_finite_gradient()
     assert torch.allclose(ent, expected, atol=1e-6) and torch.isfinite(lp).all()
     (ent.sum() + lp.sum()).backward()
     assert torch.isfinite(z.grad).all()
+
+
+def _vocab(model):
+    return model.get_input_embeddings().num_embeddings
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_token_ids_outside_the_vocabulary_under_the_masks_are_named(model, batch, layout):
+    """Row 0's last response token is only a target in the drop-last packed layout (never
+    embedded): its id was not checked, a bare gather IndexError on CPU and an out-of-bounds read
+    by the fused kernel on CUDA. Every id under the masks is now checked, naming the field."""
+    vocab = _vocab(model)
+    p_ids, p_mask, r_ids, r_mask = _args(batch)
+    last = len(RESPONSES[0]) - 1
+    for bad in (vocab, vocab + 1000, -1):
+        r = r_ids.clone()
+        r[0, last] = bad
+        with torch.no_grad(), pytest.raises(ValueError, match=rf"response_ids holds token id {bad} at row 0, column {last}, outside the model's vocabulary \[0, {vocab}\)"):
+            response_logprobs(model, p_ids, p_mask, r, r_mask, layout=layout)
+        p = p_ids.clone()
+        p[2, -1] = bad
+        with torch.no_grad(), pytest.raises(ValueError, match=rf"prompt_ids holds token id {bad} at row 2"):
+            response_logprobs(model, p, p_mask, r_ids, r_mask, layout=layout)
+    # the critic's forward checks them too
+    r = r_ids.clone()
+    r[0, last] = vocab
+    with torch.no_grad(), pytest.raises(ValueError, match="response_ids holds token id"):
+        values_for_response(critic(model), p_ids, p_mask, r, r_mask, layout=layout)
+
+
+def test_pad_ids_outside_the_vocabulary_are_not_embedded_in_either_layout(model, batch):
+    """Ids under False masks are pads: no range error, and layout='padded' (which embeds the
+    whole (b p+t) batch) no longer looks them up, so its log-probs equal the clean batch's."""
+    p_ids, p_mask, r_ids, r_mask = _args(batch)
+    assert (~p_mask).any() and (~r_mask).any()
+    vocab = _vocab(model)
+    with torch.no_grad():
+        clean, _ = response_logprobs(model, *_args(batch), layout="padded")
+        for pad in (-1, vocab + 7):
+            p, r = p_ids.masked_fill(~p_mask, pad), r_ids.masked_fill(~r_mask, pad)
+            for layout in ("packed", "padded"):
+                lp, _ = response_logprobs(model, p, p_mask, r, r_mask, layout=layout)
+                torch.testing.assert_close(lp, clean, rtol=0, atol=1e-5)
+
+
+def test_token_logprobs_refuses_a_temperature_not_above_zero():
+    logits, targets = torch.tensor([[2.0, 0.0, -1.0]]), torch.tensor([0])
+    for bad in (0.0, -1.0, float("nan"), "1.0"):
+        with pytest.raises(ValueError, match=r"temperature must be > 0 for log-probs.*pass temperature=1\.0"):
+            token_logprobs(logits, targets, temperature=bad)
+    lp, _ = token_logprobs(logits, targets, temperature=2.0)
+    torch.testing.assert_close(lp, (logits / 2).log_softmax(-1)[:, 0])
+
+
+def test_attention_dropout_while_training_falls_back_to_transformers_attention(batch):
+    """rlkit's shared-prompt and varlen attention apply no dropout and raised on a training model
+    with attention_dropout > 0; such a model now runs the packed layout through transformers'
+    attention (dropout applied), and in eval mode still takes rlkit's layouts."""
+    from rlkit.models import logprobs as L
+
+    tok = char_tokenizer("0123456789+= ")
+    model = tiny(tok, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, attention_dropout=0.5)
+    group = make_batch([[5, 6, 7]] * 2, [[8, 9], [10]])  # two samples of one prompt: shared by default
+    long = make_batch([list(range(1, 13)) * 25] * 2, [[3] * 40, [4] * 30])  # > CPU_DENSE_MASK_MAX_TOKENS packed tokens
+    assert L._full_attention_packed(model.base_model.eval())
+    with torch.no_grad():
+        assert L.response_view(model.base_model, *_args(group)).kind == "shared"
+        assert L.response_view(model.base_model, *_args(long)).varlen
+    model.train()
+    for b in (group, long, batch):
+        model.zero_grad(set_to_none=True)
+        lp, _ = response_logprobs(model, *_args(b))  # raised "supports no attention dropout"
+        assert torch.isfinite(lp).all() and (lp[b["response_mask"]] < 0).all()
+        lp.sum().backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+        view = L.response_view(model.base_model, *_args(b))
+        assert view.kind == "packed" and not view.varlen
+    assert not L._full_attention_packed(model.base_model)
+    # dropout is applied: two training forwards differ, eval forwards agree with the shared layout's
+    with torch.no_grad():
+        torch.manual_seed(0)
+        a, _ = response_logprobs(model, *_args(group))
+        b_, _ = response_logprobs(model, *_args(group))
+        assert not torch.equal(a, b_)
+        model.eval()
+        shared, _ = response_logprobs(model, *_args(group))
+        padded, _ = response_logprobs(model, *_args(group), layout="padded")
+        torch.testing.assert_close(shared, padded, rtol=0, atol=1e-5)
+    values_for_response(critic(model).train(), *_args(group)).sum().backward()
