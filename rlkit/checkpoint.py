@@ -104,6 +104,22 @@ def _distributed() -> bool:
 
 
 @contextlib.contextmanager
+def _interrupts_unwrapped():
+    """Ctrl-C inside a DCP save or load reaches the caller as ``KeyboardInterrupt`` (chained to
+    DCP's error), not as the ``CheckpointException`` DCP wraps it in: what handles an interrupt
+    (``rk.fit``'s ``exc.state``, ``rlkit run``'s one-line message) never saw it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        failures = getattr(e, "failures", {}) or {}
+        if any(isinstance(pair[0] if isinstance(pair, tuple) else pair, KeyboardInterrupt) for pair in failures.values()):
+            raise KeyboardInterrupt("interrupted during a checkpoint's save or load") from e
+        raise
+
+
+@contextlib.contextmanager
 def _quiet_dcp():
     # DCP warns "assuming the intent is to save in a single process" even when told no_dist=True
     with warnings.catch_warnings():
@@ -536,7 +552,7 @@ def save(
     _barrier()
     try:
         sd, trainer = _state_dict(state, save_ref)
-        with _quiet_dcp():
+        with _quiet_dcp(), _interrupts_unwrapped():
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=not _distributed())
         del sd
         if _rank() == 0:
@@ -736,7 +752,7 @@ def load(
     trainer_probe: dict[str, Any] = {"trainer": b""}
     try:
         saved_keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-        with _quiet_dcp():
+        with _quiet_dcp(), _interrupts_unwrapped():
             dcp.load(trainer_probe, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed())
         trainer = pickle.loads(trainer_probe["trainer"])
     except Exception as exc:  # noqa: BLE001 - any read failure means a broken file
@@ -769,7 +785,7 @@ def load(
 
         sd["ref"] = get_model_state_dict(template.ref, options=_sd_options())
     try:
-        with _quiet_dcp():
+        with _quiet_dcp(), _interrupts_unwrapped():
             dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed())
     except Exception as exc:  # noqa: BLE001
         raise CheckpointCorruptError(f"checkpoint {path}: reading the tensors failed ({type(exc).__name__}: {str(exc)[:500]}); {_try_previous(path)}") from exc

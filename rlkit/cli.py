@@ -102,11 +102,6 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     from rlkit.checkpoint import CheckpointError, Preempted
 
-    if args.quiet:
-        # transformers' own bars too ("Writing model shards" when the model is saved): --quiet says none
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
     try:
         return args.fn(args)
     except (ValueError, CheckpointError) as e:

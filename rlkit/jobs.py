@@ -272,6 +272,12 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     from rlkit.state import init
 
     opts, recipe, resume_from, task = check_options(task_name, options)
+    if opts.quiet:
+        # transformers' own bars too ("Writing model shards" when the model is saved), in every
+        # process of a multi-process run: --quiet says none
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     t_start = time.perf_counter()
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank = 0

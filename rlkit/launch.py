@@ -155,7 +155,7 @@ def _teardown_process_group() -> None:
 class _Tail(threading.Thread):
     """Follows the metrics and log files of a run and hands complete lines on as they appear."""
 
-    def __init__(self, run_dir: str, on_metrics: MetricsCallback, echo_logs: bool, interval: float = 0.1):
+    def __init__(self, run_dir: str, on_metrics: MetricsCallback, echo_logs: bool, interval: float = 0.1, watch: bool = True):
         super().__init__(daemon=True, name="rlkit-launch-tail")
         self.run_dir = run_dir
         self.on_metrics = on_metrics
@@ -168,6 +168,8 @@ class _Tail(threading.Thread):
         #: global ranks of this machine whose process ended without leaving fn (see check_workers)
         self.vanished: list[int] = []
         self._checked = 0.0
+        self._watch_enabled = watch
+        self._gone_since: dict[int, float] = {}
         if echo_logs:
             # a reused run_dir keeps earlier runs' logs (each run writes its own subfolder): follow
             # them from their end, or this run echoed every earlier run's output before its own
@@ -219,15 +221,24 @@ class _Tail(threading.Thread):
                 out.append(int(re.search(r"rank(\d+)\.pid$", path).group(1)))
         return sorted(out)
 
+    #: seconds a worker must stay gone without its marker before the launch is stopped: a worker
+    #: that failed (an exception, a signal, OOM) is torch elastic's to report, within its monitor
+    #: interval (a tenth of a second); only one it never notices (exit status 0) outlasts this
+    VANISHED_AFTER_S = 3.0
+
     def _watch(self) -> None:
         """Once a second: a worker that vanished ends the launch. The caller's thread waits inside
         torch elastic, which stops its workers and returns on SIGTERM (its own handler); without
-        that handler (a launch outside the main thread) nothing is sent."""
+        that handler (a launch outside the main thread) nothing is sent. Off with
+        ``max_restarts > 0``: a restart stops the surviving workers with SIGTERM, before they
+        leave fn, and they would look vanished."""
         now = time.monotonic()
-        if self.vanished or now - self._checked < 1.0:
+        if not self._watch_enabled or self.vanished or now - self._checked < 1.0:
             return
         self._checked = now
-        gone = self.check_workers()
+        current = set(self.check_workers())
+        self._gone_since = {r: self._gone_since.get(r, now) for r in current}
+        gone = sorted(r for r, since in self._gone_since.items() if now - since >= self.VANISHED_AFTER_S)
         if gone:
             self.vanished = gone
             handler = signal.getsignal(signal.SIGTERM)
@@ -362,7 +373,9 @@ def launch(
     (to pass one of these names to ``fn``, wrap it in ``functools.partial``). On a machine that
     does not hold global rank 0 the return value is ``None``. A worker's exception is raised here
     as :class:`WorkerError` with the worker's traceback text; so is a worker that ends with
-    ``sys.exit(0)`` instead of returning (it leaves no result). Arguments of the wrong type or
+    ``sys.exit(0)`` instead of returning (it leaves no result), and, with ``max_restarts=0``, one
+    whose process ends inside ``fn`` without an exception (``os._exit(0)``), a few seconds after
+    (torch elastic alone would wait for its result forever; with restarts it still does). Arguments of the wrong type or
     range raise ``ValueError`` naming them before any process starts.
     """
     import cloudpickle
@@ -400,7 +413,7 @@ def launch(
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs"), redirects=Std.ALL if echo_logs else Std.NONE),
     )
-    tail = _Tail(run_dir, on_metrics or print_metrics, echo_logs)
+    tail = _Tail(run_dir, on_metrics or print_metrics, echo_logs, watch=max_restarts == 0)
     tail.start()
     try:
         results = elastic_launch(config, _worker)(payload, run_dir)

@@ -133,6 +133,25 @@ def test_writer_failure_keeps_previous_checkpoint(tmp_path, char_tok, monkeypatc
     assert ck.load(_state(char_tok, seed=1, ref=False), good).step == 1
 
 
+def test_ctrl_c_inside_the_writer_reaches_the_caller_as_keyboardinterrupt(tmp_path, char_tok, monkeypatch):
+    """DCP wraps an exception of its writer in CheckpointException (a BaseException): a Ctrl-C
+    landing in its fsync reached rk.fit and `rlkit run` as that, not as KeyboardInterrupt, so the
+    run printed a traceback and exited 1 instead of its one-line message and 130."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    state = _fake_step(_state(char_tok, ref=False))
+    good = ck.save(state, tmp_path)
+    state = _fake_step(state)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fs._FileSystemWriter, "finish", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save(state, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [good.name]  # nothing half-written left as a checkpoint
+
+
 def _linear_state(seed=0):
     torch.manual_seed(seed)
     return rk.init(torch.nn.Linear(4, 3), rk.optim.adamw(lr=1e-2), seed=7)

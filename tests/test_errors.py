@@ -230,6 +230,8 @@ def test_recipes_check_estimator_kl_engine_and_dapo_shaping_when_built():
     with pytest.raises(TypeError, match="rloo sets estimator='rloo' itself"):
         rk.recipes.rloo(estimator="grpo")
     assert rk.recipes.get("grpo", engine="hf", kl=("k3", 1e-3)).engine == "hf"  # valid ones still go
+    import torch
+    assert rk.recipes.GRPO(entropy_coef=torch.tensor(0.01)).entropy_coef == pytest.approx(0.01)  # as update takes it
 
 
 def test_fit_checks_its_arguments_before_the_first_step(task, state):

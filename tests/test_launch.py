@@ -295,6 +295,39 @@ def test_a_worker_that_ends_without_returning_or_raising_stops_the_launch(tmp_pa
     assert "rank(s) [1] ended while running fn" in out["message"] and "os._exit" in out["message"]
 
 
+RESTARTED = textwrap.dedent(
+    """
+    import json, os, sys, time
+    from rlkit.launch import launch
+
+    def fails_once():
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if os.environ["RANK"] == "0" and attempt == 0:
+            time.sleep(0.5)
+            raise RuntimeError("transient failure on the first attempt")
+        if os.environ["RANK"] == "1" and attempt == 0:
+            time.sleep(6)  # still running when rank 0 fails: torch elastic stops it with SIGTERM to restart
+        return attempt
+
+    if __name__ == "__main__":
+        print("RESULT " + json.dumps(launch(fails_once, nproc_per_node=2, max_restarts=1, run_dir=sys.argv[1], echo_logs=False)), flush=True)
+    """
+)
+
+
+def test_a_restarted_run_is_not_taken_for_a_vanished_worker(tmp_path, child_env):
+    """With max_restarts, torch elastic stops the surviving workers with SIGTERM before they leave
+    fn; the os._exit watchdog took that for a worker that vanished and ended the launch instead
+    of letting the group restart."""
+    script = tmp_path / "restart.py"
+    script.write_text(RESTARTED)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=180, env=child_env(1))
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads(lines[-1][len("RESULT ") :]) == 1  # rank 0's result on the second attempt
+
+
 def test_a_reused_run_dir_echoes_only_this_runs_output(tmp_path, monkeypatch, capsys):
     """Every earlier run's worker logs under run_dir/logs were echoed again before this run's own."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from rlkit._checks import int_at_least, is_real, positive_finite_or_none
+from rlkit._checks import int_at_least, positive_finite_or_none
 from rlkit.batch import Batch
 
 
@@ -108,9 +108,14 @@ class Recipe:
         if self.engine is not None and not (self.engine in ENGINES if isinstance(self.engine, str) else callable(getattr(self.engine, "generate", None))):
             raise ValueError(f"{name}: engine={self.engine!r} is not an engine; give one of {', '.join(ENGINES)}, an Engine object, "
                              "or None (the built-in engine)")
-        if not is_real(self.entropy_coef) or not math.isfinite(self.entropy_coef):
+        try:
+            coef = float(self.entropy_coef)  # a 0-d tensor or numpy number too, as update takes it
+        except (TypeError, ValueError):
+            coef = math.nan
+        if not math.isfinite(coef):
             # nan made every optimizer step non-finite: each was skipped, with only warnings
             raise ValueError(f"{name}.entropy_coef must be a finite number (0: no entropy bonus), got {self.entropy_coef!r}")
+        object.__setattr__(self, "entropy_coef", coef)
 
     def with_(self, **changes) -> "Recipe":
         return replace(self, **changes)
