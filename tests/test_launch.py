@@ -260,6 +260,18 @@ def test_a_worker_that_exits_with_status_0_is_a_worker_error(tmp_path, monkeypat
     assert "rank(s) [1]" in str(error) and "without returning" in str(error)
 
 
+def _script_result(source: str, tmp_path, child_env, timeout: float = 180):
+    """Run ``source`` as a script (argv[1]: a run_dir) in a fresh process; the JSON of its last
+    ``RESULT`` line."""
+    script = tmp_path / "job.py"
+    script.write_text(source)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=timeout, env=child_env(1))
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
 VANISHING = textwrap.dedent(
     """
     import json, os, sys
@@ -284,13 +296,7 @@ def test_a_worker_that_ends_without_returning_or_raising_stops_the_launch(tmp_pa
     """os._exit(0) inside fn: the process ends with status 0 and no result, which torch elastic
     polls for forever (the launch hung). A watchdog in the caller sees the process gone without
     leaving fn and stops the run with a WorkerError naming the rank."""
-    script = tmp_path / "vanish.py"
-    script.write_text(VANISHING)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
-                          timeout=120, env=child_env(1))
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT ") :])
+    out = _script_result(VANISHING, tmp_path, child_env)
     assert out["rank"] == 1 and out["failures"] == [1]
     assert "rank(s) [1] ended while running fn" in out["message"] and "os._exit" in out["message"]
 
@@ -319,13 +325,7 @@ def test_a_restarted_run_is_not_taken_for_a_vanished_worker(tmp_path, child_env)
     """With max_restarts, torch elastic stops the surviving workers with SIGTERM before they leave
     fn; the os._exit watchdog took that for a worker that vanished and ended the launch instead
     of letting the group restart."""
-    script = tmp_path / "restart.py"
-    script.write_text(RESTARTED)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
-                          timeout=180, env=child_env(1))
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert json.loads(lines[-1][len("RESULT ") :]) == 1  # rank 0's result on the second attempt
+    assert _script_result(RESTARTED, tmp_path, child_env) == 1  # rank 0's result on the second attempt
 
 
 def test_a_reused_run_dir_echoes_only_this_runs_output(tmp_path, monkeypatch, capsys):
