@@ -17,7 +17,10 @@ pytestmark = pytest.mark.slow
 def _stop_after_first_checkpoint(out, sig) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "rlkit.cli", "run", "arithmetic", "--sft-steps", "0", "--steps", "500", "--batch-size", "4",
            "--n", "4", "--eval-size", "4", "--eval-every", "0", "--checkpoint-every", "1", "--quiet", "--out", str(out)]
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT back to its default in the child: under a job started in the background by a
+    # non-interactive shell it is ignored, and Python then never raises KeyboardInterrupt
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = out / "checkpoints" / "step_000001" / "COMPLETE"
     deadline = time.monotonic() + 120
     while not first.exists():
