@@ -87,7 +87,8 @@ def input_vocab(model) -> int | None:
 
 def check_token_ids(batch, model, where: str) -> None:
     """Raise ``ValueError`` naming the field, row and id when a batch's ``prompt_ids`` or
-    ``response_ids`` fall outside the model's vocabulary. Only for host tensors (reading a device
+    ``response_ids`` fall outside the model's vocabulary under their masks (pads may hold any id).
+    Only for host tensors (reading a device
     tensor's range would wait for the device): there the embedding lookup failed later with an
     ``index out of bounds`` that named neither, and on a GPU it is a device-side assert that ends
     the process's CUDA context."""
@@ -98,9 +99,11 @@ def check_token_ids(batch, model, where: str) -> None:
         ids = batch[key]
         if ids.device.type != "cpu" or ids.numel() == 0:
             continue
-        lo, hi = ids.aminmax()
-        if lo < 0 or hi >= vocab:
-            row, col = (((ids < 0) | (ids >= vocab)).nonzero()[0]).tolist()
+        # the real tokens only: a pad id is never embedded (the packed layouts leave pads out, the
+        # padded one embeds id 0 there), so any pad id is fine, as make_batch takes it
+        bad = ((ids < 0) | (ids >= vocab)) & batch[key.replace("_ids", "_mask")].bool()
+        if bad.any():
+            row, col = (bad.nonzero()[0]).tolist()
             raise ValueError(
                 f"{where}: batch[{key!r}] holds token id {int(ids[row, col])} (row {row}), outside the model's vocabulary "
                 f"[0, {vocab}); were these ids made by another tokenizer than the model's? (rk.models.tiny(tokenizer) "

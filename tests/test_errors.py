@@ -295,8 +295,12 @@ def test_token_ids_outside_the_vocabulary_are_named_before_the_forward(state):
     with pytest.raises(ValueError, match=r"log-probs: batch\['response_ids'\] holds token id"):
         rk.compute_old_logprobs(state, batch)
     batch.set("prompt_ids", torch.where(batch["prompt_mask"], batch["prompt_ids"], -1))  # a pad id of -1
-    with pytest.raises(ValueError, match=r"update: batch\['prompt_ids'\] holds token id -1 \(row 1\)"):
-        rk.update(state, batch)
+    batch.set("response_ids", torch.where(batch["response_mask"], batch["response_ids"], vocab + 7))  # and one past the vocabulary
+    with pytest.raises(ValueError, match=rf"update: batch\['response_ids'\] holds token id {vocab + 3} \(row 1\)"):
+        rk.update(state, batch)  # the real token is still named, not the pads
+    batch.set("response_ids", torch.where(batch["response_ids"] == vocab + 3, 7, batch["response_ids"]))
+    state, metrics = rk.update(state, batch, max_logprob_gap=None)  # pads are never embedded: any pad id goes (they were refused)
+    assert metrics["actor/grad_norm"] >= 0
 
 
 def test_ppo_knobs_are_checked_when_the_recipe_is_built():
