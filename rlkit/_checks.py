@@ -100,7 +100,7 @@ def check_token_ids(batch, model, where: str) -> None:
         if ids.device.type != "cpu" or ids.numel() == 0:
             continue
         # the real tokens only: a pad id is never embedded (the packed layouts leave pads out, the
-        # padded one embeds id 0 there), so any pad id is fine, as make_batch takes it
+        # padded one embeds id 0 there), so whatever a pad holds is fine
         bad = ((ids < 0) | (ids >= vocab)) & batch[key.replace("_ids", "_mask")].bool()
         if bad.any():
             row, col = (bad.nonzero()[0]).tolist()
