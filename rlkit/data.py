@@ -286,7 +286,7 @@ def load_prompts(
     rows, origins = _rows(source, prompt_key)
     if not rows:
         raise DataError("the prompt set is empty; give at least one prompt")
-    from rlkit.sft import _check_known
+    from rlkit.models.tokenizers import check_known_characters
 
     text, ids = [], []
     columns: dict[str, list[Any]] = {}
@@ -319,7 +319,7 @@ def load_prompts(
             shown = value if isinstance(value, str) else tokenizer.apply_chat_template(
                 value if isinstance(value, list) else [{"role": "user", "content": value}], add_generation_prompt=True, tokenize=False)
             try:
-                _check_known(tokenizer, shown, tok, where)
+                check_known_characters(tokenizer, shown, tok, where)
             except ValueError as exc:
                 raise DataError(str(exc)) from None
         if max_prompt_tokens is not None and len(tok) > max_prompt_tokens:

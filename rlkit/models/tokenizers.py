@@ -131,3 +131,34 @@ def decode_batch(tokenizer, sequences: list[list[int]]) -> list[str]:
     if sum(len(ids) for ids in sequences) >= PARALLEL_DECODE_TOKENS:
         return backend.decode_batch(sequences, skip_special_tokens=True)
     return [backend.decode(ids, skip_special_tokens=True) for ids in sequences]
+
+
+def check_known_characters(tokenizer, text: str, ids: list[int], where: str) -> None:
+    """Raise ``ValueError`` naming the characters of ``text`` that ``tokenizer`` encodes (``ids``)
+    as its unknown token.
+
+    A byte-level BPE tokenizer never makes one; rlkit's :func:`~rlkit.models.tokenizers.char_tokenizer`
+    makes one for every character outside its alphabet ("46 ✓", "2×3="). Training on it is silent
+    damage: all unknown characters look alike to the model, and decoding drops the token, so a model
+    taught to emit it emits text that no reward sees. Where the unknown token is also EOS, BOS or pad
+    (GPT-2's ``"<|endoftext|>"``), that token written out in ``text`` is not counted."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or unk not in ids:
+        return
+    literal = getattr(tokenizer, "unk_token", None)
+    shared = unk in {getattr(tokenizer, name, None) for name in ("eos_token_id", "bos_token_id", "pad_token_id")}
+    if shared and literal and ids.count(unk) <= text.count(literal):
+        return  # GPT-2's "<|endoftext|>" is its unk, eos and bos: written out in the text, it is that special token
+    if getattr(tokenizer, "is_fast", False):
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        pieces = [text[a:b] for i, (a, b) in zip(encoding["input_ids"], encoding["offset_mapping"]) if i == unk]
+    else:  # no offsets: the characters that alone encode to the unknown token
+        pieces = [c for c in text if unk in tokenizer(c, add_special_tokens=False)["input_ids"]]
+    pieces = list(dict.fromkeys(p for p in pieces if p and not (shared and p == literal)))
+    raise ValueError(
+        f"{where} {text!r:.80} has characters the tokenizer does not know: {pieces if pieces else '(not located)'} "
+        f"(each is encoded as its unknown token {literal!r}, id {unk}: the model cannot tell them apart, and decoding "
+        f"drops it, so a model taught to emit it writes text no reward sees); add them to the tokenizer's vocabulary "
+        + (f"(for rlkit's character tokenizer: char_tokenizer(alphabet + {''.join(pieces)!r})) " if pieces else "")
+        + "or remove them from the data"
+    )
