@@ -7,54 +7,75 @@ import os
 import sys
 
 
-def doctor(args) -> int:
-    """Print versions, devices, CUDA/NCCL and GPU memory: the first environment check."""
+def doctor_report() -> dict:
+    """What ``rlkit doctor`` checks, typed (``--json`` prints it): versions, the optional packages
+    (a version, or None when not installed), CPU threads, CUDA and its GPUs, the distributed
+    backends."""
     import platform
 
     import torch
     import transformers
-    from rich.console import Console
-    from rich.table import Table
 
     import rlkit
 
-    rows = [
-        ("rlkit", rlkit.__version__),
-        ("python", platform.python_version()),
-        ("platform", platform.platform()),
-        ("torch", torch.__version__),
-        ("transformers", transformers.__version__),
-    ]
+    packages = {}
     for name in ("tensordict", "einops", "tokenizers", "vllm", "wandb", "ipywidgets"):
         try:
-            mod = __import__(name)
-            rows.append((name, getattr(mod, "__version__", "installed")))
-        except Exception:  # noqa: BLE001 - optional packages
-            rows.append((name, "not installed"))
-    rows.append(("cpu threads", str(torch.get_num_threads())))
+            packages[name] = getattr(__import__(name), "__version__", "installed")
+        except Exception:  # noqa: BLE001 - optional packages (an import may fail in other ways too)
+            packages[name] = None
     cuda = torch.cuda.is_available()
-    rows.append(("cuda available", str(cuda)))
+    nccl = None
     if cuda:
-        rows.append(("cuda version", str(torch.version.cuda)))
         try:
-            rows.append(("nccl version", ".".join(map(str, torch.cuda.nccl.version()))))
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
         except Exception:  # noqa: BLE001
-            rows.append(("nccl version", "unavailable"))
-        rows.append(("gpu count", str(torch.cuda.device_count())))
-        for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
-            rows.append((f"gpu {i}", f"{p.name}, {p.total_memory / 2**30:.1f} GiB, sm_{p.major}{p.minor}"))
-    else:
-        rows.append(("gpu count", "0"))
-    rows.append(("distributed", f"gloo={torch.distributed.is_gloo_available()} nccl={torch.distributed.is_nccl_available()}"))
+            nccl = None
+    gpus = []
+    for i in range(torch.cuda.device_count() if cuda else 0):
+        p = torch.cuda.get_device_properties(i)
+        gpus.append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1), "sm": f"{p.major}{p.minor}"})
+    return {
+        "rlkit": rlkit.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "packages": packages,
+        "cpu_threads": torch.get_num_threads(),
+        "cuda_available": cuda,
+        "cuda_version": torch.version.cuda if cuda else None,
+        "nccl_version": nccl,
+        "gpu_count": len(gpus),
+        "gpus": gpus,
+        "distributed": {"gloo": torch.distributed.is_gloo_available(), "nccl": torch.distributed.is_nccl_available()},
+    }
+
+
+def doctor(args) -> int:
+    """Print versions, devices, CUDA/NCCL and GPU memory: the first environment check. ``--json``
+    prints :func:`doctor_report` as one JSON object (booleans and counts as JSON booleans and
+    numbers; it printed every value as text)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    report = doctor_report()
     if args.json:
-        print(json.dumps(dict(rows)))
+        print(json.dumps(report))
         return 0
+    rows = [(k, report[k]) for k in ("rlkit", "python", "platform", "torch", "transformers")]
+    rows += [(name, version or "not installed") for name, version in report["packages"].items()]
+    rows += [("cpu threads", report["cpu_threads"]), ("cuda available", report["cuda_available"])]
+    if report["cuda_available"]:
+        rows += [("cuda version", report["cuda_version"]), ("nccl version", report["nccl_version"] or "unavailable")]
+    rows.append(("gpu count", report["gpu_count"]))
+    rows += [(f"gpu {g['index']}", f"{g['name']}, {g['memory_gib']:.1f} GiB, sm_{g['sm']}") for g in report["gpus"]]
+    rows.append(("distributed", " ".join(f"{k}={v}" for k, v in report["distributed"].items())))
     table = Table(title="rlkit doctor")
     table.add_column("component")
     table.add_column("version / state")
     for k, v in rows:
-        table.add_row(k, v)
+        table.add_row(k, str(v))
     Console().print(table)
     return 0
 

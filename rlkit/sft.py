@@ -135,5 +135,9 @@ def _encode_checked(model, tokenizer, example: tuple[str, str], i: int) -> tuple
     if not prompt:
         raise ValueError(f"warmup: example {i}'s prompt {example[0]!r} tokenizes to no tokens; "
                          "every example needs a non-empty prompt")
+    if not target:
+        # nothing to imitate: it failed at its first draw, as a rollout's "response_mask is all False"
+        raise ValueError(f"warmup: example {i}'s completion {example[1]!r} gives no token to train on (it is empty, and the "
+                         "tokenizer has no EOS token to end it with); give every example a non-empty completion")
     check_context(model, len(prompt) + len(target), f"warmup: example {i} ({example[0][:40]!r}...)", "shorten it or drop it")
     return prompt, target

@@ -16,9 +16,18 @@ def _rlkit(*args, timeout=300, env=None):
 
 
 def test_doctor_reports_versions_and_devices():
+    """--json printed every value as text: "False" (truthy) for no CUDA, "0" for the GPU count."""
+    import torch
+
     out = json.loads(_rlkit("doctor", "--json").stdout.strip().splitlines()[-1])
-    for key in ("rlkit", "torch", "transformers", "cuda available", "gpu count", "vllm"):
-        assert key in out, key
+    assert out["torch"] == torch.__version__ and isinstance(out["rlkit"], str) and isinstance(out["transformers"], str)
+    assert out["cuda_available"] is torch.cuda.is_available() and out["gpu_count"] == len(out["gpus"])
+    assert out["gpu_count"] == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    assert isinstance(out["cpu_threads"], int) and out["cpu_threads"] >= 1
+    assert out["distributed"]["gloo"] is torch.distributed.is_gloo_available()
+    assert set(out["packages"]) >= {"tensordict", "vllm", "wandb"} and out["packages"]["tensordict"]
+    for gpu in out["gpus"]:
+        assert isinstance(gpu["memory_gib"], float) and gpu["name"]
 
 
 @pytest.mark.distributed

@@ -70,6 +70,7 @@ def test_wandb_sink_runs_offline_without_a_key_and_logs_each_step(tmp_path, monk
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))  # no `wandb login` either
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_CONSOLE", "off")  # leave pytest's output capture alone
@@ -86,6 +87,31 @@ def test_wandb_sink_runs_offline_without_a_key_and_logs_each_step(tmp_path, monk
     assert str(tmp_path) in run_dir
     files = [p.name for p in tmp_path.rglob("*.wandb")]
     assert files, "no offline run file was written"
+
+
+def test_wandb_sink_follows_wandb_mode_and_a_wandb_login(tmp_path, monkeypatch):
+    """The sink passed mode="offline" whenever WANDB_API_KEY was unset: WANDB_MODE=disabled (as
+    in CI) still wrote an offline run, and a `wandb login` key in ~/.netrc was ignored."""
+    pytest.importorskip("wandb")
+    from rlkit.observe import wandb_sink
+    from rlkit.observe.wandb_sink import WandbSink
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    sink = WandbSink(project="rlkit-test")
+    sink.on_step(1, {"reward/mean": 0.5})
+    sink.close()
+    assert not list(tmp_path.rglob("*.wandb")), "WANDB_MODE=disabled wrote a run"
+    netrc_file = tmp_path / "netrc"
+    netrc_file.write_text("machine api.wandb.ai\n  login user\n  password 0123456789abcdef\n")
+    netrc_file.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc_file))
+    assert wandb_sink._has_key()  # then wandb decides (online), no mode is forced
+    monkeypatch.setenv("NETRC", str(tmp_path / "missing"))
+    assert not wandb_sink._has_key()
 
 
 def test_jsonl_writes_numpy_scalars_and_0d_tensors_as_numbers(tmp_path):
@@ -111,6 +137,54 @@ def test_jsonl_writes_numpy_scalars_and_0d_tensors_as_numbers(tmp_path):
     assert type(row["i64"]) is int and type(row["ti"]) is int
 
 
+def test_jsonl_is_strict_json_at_every_depth_and_rewinds_only_its_own_run(tmp_path):
+    """NaN and inf inside lists, dicts and arrays were written as NaN/Infinity (not JSON); a rewind
+    dropped an earlier run's rows appended to the same file; appending after a crash glued the
+    first new row onto the line the crash cut short."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from rlkit.observe.sinks import JSONLSink
+
+    path = tmp_path / "m.jsonl"
+    sink = JSONLSink(path, mode="w")
+    sink.on_step(1, {"vec": [1.0, float("nan")], "nested": {"x": float("nan"), "y": [float("inf"), 1]},
+                     "np": np.array([np.inf, 2.0]), "t": torch.tensor([0.5, float("nan")]), "tup": (1, float("-inf"))})
+    sink.close()
+    refuse = lambda c: (_ for _ in ()).throw(AssertionError(f"{c} is not JSON"))  # noqa: E731
+    assert json.loads(path.read_text(), parse_constant=refuse) == {
+        "step": 1, "vec": [1.0, None], "nested": {"x": None, "y": [None, 1]}, "np": [None, 2.0], "t": [0.5, None], "tup": [1, None]}
+
+    # run A logs 1-4; run B appends 1-3, dies mid-row, resumes from step 2
+    path.write_text("")
+    a = JSONLSink(path)
+    for step in range(1, 5):
+        a.on_step(step, {"run": "A"})
+    a.close()
+    b = JSONLSink(path)
+    for step in range(1, 4):
+        b.on_step(step, {"run": "B"})
+    b.close()
+    with open(path, "a") as f:
+        f.write('{"step": 4, "ru')  # the row a kill cut short
+    resumed = JSONLSink(path)
+    resumed.rewind(2)
+    resumed.on_step(3, {"run": "B"})
+    resumed.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["run"]) for r in rows] == [(1, "A"), (2, "A"), (3, "A"), (4, "A"), (1, "B"), (2, "B"), (3, "B")]
+    torn = JSONLSink(path)  # appending after a crash without a rewind (a fresh run) drops the cut line too
+    torn.close()
+    with open(path, "a") as f:
+        f.write('{"step": 9, "r')
+    fresh = JSONLSink(path)
+    fresh.on_step(1, {"run": "C"})
+    fresh.close()
+    assert json.loads(path.read_text().splitlines()[-1]) == {"step": 1, "run": "C"}
+
+
 def test_prometheus_exports_numpy_scalars_and_0d_tensors():
     pytest.importorskip("prometheus_client")
     import numpy as np
@@ -123,6 +197,24 @@ def test_prometheus_exports_numpy_scalars_and_0d_tensors():
     got = sink.registry.get_sample_value
     assert (got("rlkit_a"), got("rlkit_b"), got("rlkit_c"), got("rlkit_d"), got("rlkit_step")) == (0.5, 3.0, 0.25, 1.5, 2.0)
     assert got("rlkit_note") is None and got("rlkit_none") is None
+
+
+def test_prometheus_sink_built_again_on_a_shared_registry_takes_over_its_gauges():
+    """A notebook cell run again with registry=prometheus_client.REGISTRY failed with
+    'Duplicated timeseries in CollectorRegistry: {rlkit_step}', close() or not."""
+    pc = pytest.importorskip("prometheus_client")
+    from rlkit.observe.prometheus import PrometheusSink
+
+    shared = pc.CollectorRegistry()
+    first = PrometheusSink(start_server=False, registry=shared)
+    first.on_step(1, {"reward/mean": 0.25})
+    first.close()
+    again = PrometheusSink(start_server=False, registry=shared)
+    again.on_step(2, {"reward/mean": 0.75})
+    assert (shared.get_sample_value("rlkit_step"), shared.get_sample_value("rlkit_reward_mean")) == (2.0, 0.75)
+    pc.Counter("rlkit_other", "the caller's own", registry=shared)
+    with pytest.raises(ValueError, match="already has a collector named rlkit_other .*prefix="):
+        again.on_step(3, {"other": 1.0})
 
 
 def test_prometheus_name_collisions_keep_the_first_and_warn_once():
@@ -196,6 +288,30 @@ def test_console_and_dashboard_show_a_none_value_as_a_dash():
     fig = board.plot()  # the None points are left out of the panels
     assert [list(ax.lines[0].get_xdata()) for ax in fig.axes] == [[1], [2]]
     plt.close(fig)
+
+
+def test_a_dashboard_watching_a_second_fit_redraws_every_every_steps_and_keeps_the_latest_eval():
+    """Reused for a second rk.fit call past its total, a Dashboard redrew at every step (the
+    figure grows with the history: 0.1 s a step) and its bar stopped at total; its text dropped
+    eval/accuracy at every step that did not evaluate, where ConsoleSink keeps the latest."""
+    import matplotlib.pyplot as plt
+
+    board = _drawn_dashboard(total=100, every=25, keys=("reward/mean", "eval/accuracy"))
+    drawn = []
+    plot = board.plot
+
+    def counted(*a, **k):
+        drawn.append(board.history[-1]["step"])
+        return plot(*a, **k)
+
+    board.plot = counted
+    for step in range(1, 201):
+        board.on_step(step, {"reward/mean": step / 200, **({"eval/accuracy": step / 1000} if step % 10 == 0 else {})})
+        if step == 125:
+            assert board._text.value == "<code>reward/mean: 0.625 | eval/accuracy: 0.12</code>"
+    assert drawn == [25, 50, 75, 100, 125, 150, 175, 200]
+    assert board._bar.value == 200 and board._bar.max == 200
+    plt.close("all")
 
 
 def test_a_single_string_of_keys_is_one_key():

@@ -204,6 +204,18 @@ def test_warmup_refuses_characters_the_tokenizer_encodes_as_unknown():
         sft_batch(shared, [("1+1=", "2×")])
 
 
+def test_warmup_refuses_an_example_with_nothing_to_train_on_before_the_first_step():
+    """An empty completion with a tokenizer that has no EOS gives no target token: it failed at the
+    first step that drew it, with a rollout's "response_mask is all False"."""
+    task = rk.tasks.arithmetic(n_train=8, n_test=2)
+    tok, model = task.tokenizer, _model(task)
+    tok.eos_token = None
+    seen: list[int] = []
+    with pytest.raises(ValueError, match="warmup: example 1's completion '' gives no token to train on"):
+        warmup(model, tok, [("1+1=", "2"), ("2+2=", "")], steps=3, batch_size=2, on_step=lambda step, m: seen.append(step))
+    assert seen == []
+
+
 def test_warmup_accepts_a_generator_of_examples():
     """A generator was consumed by the validation pass, then failed with ``object of type
     'generator' has no len()``."""

@@ -16,7 +16,8 @@ from rlkit.observe.sinks import _metric_items, _rewound, as_keys, as_number, for
 
 
 class Dashboard:
-    """Redraws every ``every`` steps (and at the last, ``total``); ``keys`` may be one name
+    """Redraws every ``every`` steps (and at the last, ``total``; a later ``rk.fit`` call that goes
+    past ``total`` moves it to the next multiple of ``every``); ``keys`` may be one name
     (``keys="sft/loss"``). A value that is not a number shows as text (None as ``-``) and is left
     out of the plots, so that an odd metric cannot end a run at its dashboard."""
 
@@ -25,6 +26,7 @@ class Dashboard:
         int_at_least(every, "Dashboard: every", 1, " (steps between redraws)")
         self.total, self.keys, self.every = total, as_keys(keys), every
         self.history: list[dict] = []
+        self.latest: dict = {}  # each key's latest value, whatever step logged it
         self._widgets = None
         try:
             import ipywidgets as widgets
@@ -39,11 +41,19 @@ class Dashboard:
             self._widgets = None
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
-        self.history.append({"step": step, **dict(_metric_items(metrics))})
-        if self._widgets is None or (step % self.every and step < self.total):  # the last step always shows
+        row = dict(_metric_items(metrics))
+        self.history.append({"step": step, **row})
+        self.latest.update(row)  # as ConsoleSink: a metric logged at some steps (eval/accuracy) stays shown
+        if step > self.total:
+            # one sink watching a later rk.fit call that goes on past total: the bar's end moves with
+            # it (it stopped at total, and every step past it redrew the figure)
+            self.total = step if self.every == 1 else -(-step // self.every) * self.every
+            if self._widgets is not None:
+                self._bar.max = self.total
+        if self._widgets is None or (step % self.every and step != self.total):  # the last step always shows
             return
-        self._bar.value = min(step, self.total)
-        latest = " | ".join(f"{k}: {format_value(metrics[k])}" for k in self.keys if k in metrics)
+        self._bar.value = step
+        latest = " | ".join(f"{k}: {format_value(self.latest[k])}" for k in self.keys if k in self.latest)
         self._text.value = f"<code>{html.escape(latest)}</code>"
         self._plot.clear_output(wait=True)
         with self._plot:
@@ -56,6 +66,7 @@ class Dashboard:
     def rewind(self, step: int) -> None:
         """Forget the rows of steps after ``step`` (``rk.fit`` resuming from ``step`` logs them again)."""
         self.history[:] = _rewound(self.history, step)
+        self.latest = {k: v for row in self.history for k, v in row.items() if k != "step"}
 
     def plot(self, keys: Sequence[str] | None = None):
         """A figure with one panel per metric over steps."""

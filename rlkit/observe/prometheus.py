@@ -5,7 +5,9 @@ Uses ``prometheus-client`` (``pip install 'rlkit[metrics]'``), imported only whe
 ``PrometheusSink(port=9400)`` serves ``http://127.0.0.1:9400/metrics`` from a background thread;
 ``port=0`` takes a free port (``sink.port`` says which). ``close()`` stops the server and frees
 the port (``rk.fit`` leaves its sinks open, so that one sink can watch several calls), so that a
-notebook cell that builds the sink again does not fail with "address already in use".
+notebook cell that builds the sink again does not fail with "address already in use"; on a
+shared ``registry=`` (``prometheus_client.REGISTRY``), the new sink takes over the gauges an
+earlier one registered there.
 
 Metric names are ``{prefix}_{key}`` with every character outside ``[a-zA-Z0-9_]`` replaced by
 ``_`` (``reward/mean`` -> ``rlkit_reward_mean``); numbers of any kind (numpy scalars, 0-d tensors)
@@ -60,7 +62,17 @@ class PrometheusSink:
 
     def _gauge(self, name: str, help_key: str):
         if name not in self._gauges:
-            self._gauges[name] = self._pc.Gauge(name, f"rlkit metric {help_key}", registry=self.registry)
+            try:
+                self._gauges[name] = self._pc.Gauge(name, f"rlkit metric {help_key}", registry=self.registry)
+            except ValueError as exc:
+                # the registry has this name already: an earlier sink on a shared registry (a notebook
+                # cell run again with registry=prometheus_client.REGISTRY). Its gauge goes on; a
+                # collector of another kind under that name is the caller's, and stays
+                existing = getattr(self.registry, "_names_to_collectors", {}).get(name)
+                if not isinstance(existing, self._pc.Gauge):
+                    raise ValueError(f"PrometheusSink: the registry already has a collector named {name} that is not "
+                                     f"an rlkit gauge; pass another prefix= (now {self.prefix!r})") from exc
+                self._gauges[name] = existing
         return self._gauges[name]
 
     def _metric_gauge(self, key: str):

@@ -57,15 +57,22 @@ def _json_number(n: int | float) -> int | float | None:
     return n if not isinstance(n, float) or math.isfinite(n) else None  # NaN / inf are not JSON: null
 
 
-def _json_default(value: Any) -> Any:
-    """What ``json`` writes for a value it cannot take: the number a numpy scalar or 0-d tensor holds,
-    an array's nested list, else its ``str`` (one odd metric must not end a run at its log line)."""
+def _json_ready(value: Any) -> Any:
+    """``value`` with every number a JSON number and every non-finite one ``null``, at any depth
+    (lists, tuples, dicts, arrays): ``json.dumps`` writes NaN and Infinity inside them otherwise,
+    which strict JSON readers (jq, JavaScript's JSON.parse) refuse."""
+    if value is None or isinstance(value, (str, bool)):
+        return value
     n = as_number(value)
     if n is not None:
         return _json_number(n)
+    if isinstance(value, dict):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
     tolist = getattr(value, "tolist", None)
     if callable(tolist):
-        return tolist()
+        return _json_ready(tolist())
     return str(value)
 
 
@@ -88,9 +95,11 @@ class JSONLSink:
     """Appends one JSON object per step to a file (flushed each line: nothing lost on a crash).
 
     Each row is ``{"step": <int>, <metric>: <value>, ...}``. Numbers of any kind (Python, numpy
-    scalars, 0-d tensors) are written as JSON numbers, and non-finite ones (NaN, inf) as ``null``.
-    :meth:`rewind` (called by ``rk.fit`` on a resumed run) drops the rows of steps after the one
-    the run resumes from, so that the file has each step once, in order."""
+    scalars, 0-d tensors) are written as JSON numbers, and non-finite ones (NaN, inf) as ``null``,
+    inside lists and dicts too (the file is strict JSON lines). Appending to a file whose last line
+    a crash cut short drops that line first. :meth:`rewind` (called by ``rk.fit`` on a resumed run)
+    drops this run's rows of steps after the one it resumes from, so that the file has each step
+    once, in order; an earlier run's rows in the same file (its steps start over) are kept."""
 
     def __init__(self, path: str | os.PathLike, mode: str = "a"):
         if mode not in ("a", "w"):
@@ -100,6 +109,8 @@ class JSONLSink:
                              f"{os.path.join(os.fspath(path), 'metrics.jsonl')!r}")
         os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
         self.path = os.fspath(path)
+        if mode == "a":
+            _drop_torn_tail(self.path)  # else the first new row would be glued onto it, and unreadable
         self._f = open(self.path, mode, encoding="utf-8")
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
@@ -107,14 +118,13 @@ class JSONLSink:
             raise ValueError(f"JSONLSink({self.path!r}) was closed; make a new one (mode='a' appends) to log more steps")
         row = {"step": step}
         for k, v in _metric_items(metrics):
-            n = as_number(v)
-            row[k] = v if n is None else _json_number(n)
-        self._f.write(json.dumps(row, default=_json_default) + "\n")
+            row[k] = _json_ready(v)
+        self._f.write(json.dumps(row, allow_nan=False) + "\n")
         self._f.flush()
 
     def rewind(self, step: int) -> None:
-        """Keep only the rows up to ``step`` (and lines that are not rows with a step); drop a last
-        line cut short by a crash. The file is rewritten atomically, and only when a row goes."""
+        """Keep only this run's rows up to ``step`` (and lines that are not rows with a step, and an
+        earlier run's rows: see the class); drop a last line cut short by a crash. The file is rewritten atomically, and only when a row goes."""
         if self._f.closed:
             raise ValueError(f"JSONLSink({self.path!r}) was closed; make a new one (mode='a' appends) to log more steps")
         self._f.flush()
@@ -123,7 +133,16 @@ class JSONLSink:
         torn = bool(lines) and not lines[-1].endswith("\n")  # a write a kill cut short: no row
         if torn:
             lines.pop()
-        kept = [line for line in lines if (s := _row_step(line)) is None or s <= step]
+        # only this run's rows: the trailing block whose steps never go down. An earlier run appended
+        # to the same file (its steps restart below) keeps all of its rows
+        steps = [_row_step(line) for line in lines]
+        start, previous = 0, None
+        for i, s_i in enumerate(steps):
+            if s_i is not None:
+                if previous is not None and s_i < previous:
+                    start = i
+                previous = s_i
+        kept = lines[:start] + [line for line, s_i in zip(lines[start:], steps[start:]) if s_i is None or s_i <= step]
         if len(kept) == len(lines) and not torn:
             return
         directory = os.path.dirname(self.path) or "."
@@ -145,6 +164,25 @@ class JSONLSink:
 
     def close(self) -> None:
         self._f.close()
+
+
+def _drop_torn_tail(path: str) -> None:
+    """Cut a last line that a crash left without its newline (a row half written: no row)."""
+    try:
+        with open(path, "rb+") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            if size == 0:
+                return
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            f.seek(max(0, size - (1 << 20)))
+            tail = f.read()
+            cut = tail.rfind(b"\n")
+            f.truncate(size - len(tail) + cut + 1 if cut >= 0 else (0 if size <= (1 << 20) else size))
+    except FileNotFoundError:
+        return
 
 
 def _rewound(history: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
