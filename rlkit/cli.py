@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "run" or os.environ.get("RLKIT_TRACEBACK") == "1":
         return args.fn(args)
     from rlkit.checkpoint import CheckpointError, Preempted
+    from rlkit.launch import Terminated
 
     try:
         return args.fn(args)
@@ -136,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Preempted as e:  # SIGTERM: Checkpointer saved before exiting
         print(f"\nrlkit run: stopped by SIGTERM; saved {e.path}; {_resume_hint(args.out)}", file=sys.stderr)
+        return e.code
+    except Terminated as e:  # SIGTERM to `rlkit run --nproc-per-node N`: the workers saved, each as one process does
+        print(f"\nrlkit run: stopped by SIGTERM{_where_it_stopped(e, args.out)}", file=sys.stderr)
         return e.code
 
 

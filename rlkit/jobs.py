@@ -168,6 +168,10 @@ def _recipe_before_warmup(opts: argparse.Namespace):
 
     if opts.nproc_per_node is not None and opts.nproc_per_node < 1:
         raise ValueError(f"option 'nproc_per_node' must be >= 1, got {opts.nproc_per_node}")
+    if opts.nproc_per_node and opts.nproc_per_node > 1 and opts.batch_size % opts.nproc_per_node:
+        # checked here, before the processes start (it failed in every worker, after the warm-up)
+        raise ValueError(f"--batch-size {opts.batch_size} must be a multiple of the {opts.nproc_per_node} processes "
+                         f"(--nproc-per-node); e.g. --batch-size {opts.batch_size - opts.batch_size % opts.nproc_per_node or opts.nproc_per_node}")
     _checked_device(opts.device)
     if opts.kl < 0:
         raise ValueError(f"option 'kl' must be >= 0 (0: no reference), got {opts.kl}")

@@ -50,6 +50,18 @@ RUN_DIR_ENV = "RLKIT_RUN_DIR"
 MetricsCallback = Callable[[int, dict], None]
 
 
+#: the signals torch elastic handles while a launch runs (their handlers are restored after it)
+_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
+
+
+class Terminated(SystemExit):
+    """The launch was stopped by SIGTERM (exit status 143, as one process's); its workers were
+    stopped with it (a :class:`rlkit.checkpoint.Checkpointer` in them saves first)."""
+
+    def __init__(self):
+        super().__init__(128 + signal.SIGTERM)
+
+
 class WorkerError(RuntimeError):
     """A worker process failed. ``rank``: the first failing global rank; ``worker_traceback``: its traceback text."""
 
@@ -414,17 +426,29 @@ def launch(
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs"), redirects=Std.ALL if echo_logs else Std.NONE),
     )
     tail = _Tail(run_dir, on_metrics or print_metrics, echo_logs, watch=max_restarts == 0)
+    # torch elastic installs its own handlers (they raise SignalException) and leaves them: a later
+    # Ctrl-C in the caller's own code raised SignalException, not KeyboardInterrupt
+    handlers = {sig: signal.getsignal(sig) for sig in _SIGNALS if threading.current_thread() is threading.main_thread()}
     tail.start()
     try:
         results = elastic_launch(config, _worker)(payload, run_dir)
     except ChildFailedError as e:
         raise _worker_error(run_dir, e) from None
-    except SignalException:
+    except SignalException as e:
         if tail.vanished:  # the watchdog's own SIGTERM: a worker ended without leaving fn
             raise _vanished_error(run_dir, tail.vanished) from None
+        # the workers are stopped by now (a Checkpointer in them saved on SIGTERM); the caller gets
+        # what one process would raise: KeyboardInterrupt for SIGINT, Terminated (exit 143) for SIGTERM
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt("launch: interrupted (SIGINT); the workers were stopped") from None
+        if e.sigval == signal.SIGTERM:
+            raise Terminated() from None
         raise
     finally:
         tail.stop()
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
     if tail.callback_error is not None:
         raise RuntimeError(f"launch: on_metrics raised {tail.callback_error!r}; the run itself finished") from tail.callback_error
     # keys are global ranks; a worker whose fn called sys.exit(0) (SystemExit with status 0 or
@@ -516,6 +540,11 @@ def _check_torchrun_args(args) -> None:
     if lo is None or not 1 <= lo <= hi:
         raise ValueError(f"--nnodes is {nnodes!r}; give a number of machines >= 1 (e.g. --nnodes 2) or an elastic range "
                          "MIN:MAX with 1 <= MIN <= MAX (e.g. --nnodes 1:4)")
+    if hi > 1 and not args.rdzv_endpoint and args.master_addr in ("127.0.0.1", "localhost"):
+        # torchrun's static rendezvous on this machine's address: the other machines never arrive,
+        # and it waited without a word
+        raise ValueError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (an address of one of the machines, the same "
+                         "on all of them), or torchrun's static --master-addr HOST with --node-rank")
     script = args.training_script
     if not args.module and not args.no_python and not os.path.isfile(script):
         # each worker would fail to open it, and torch elastic report that as a 50-line ChildFailedError
@@ -566,6 +595,13 @@ class _CallableModule(type(sys)):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return launch(*args, **kwargs)
+
+    def __reduce__(self):
+        # a function that names rk.launch.emit holds this module in its globals: cloudpickle
+        # shipping it to the workers could not pickle a module subclass; it travels by name
+        import importlib
+
+        return importlib.import_module, (self.__name__,)
 
 
 sys.modules[__name__].__class__ = _CallableModule

@@ -24,6 +24,8 @@ unchanged: the transforms consult it, nothing else changes.
 """
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -157,6 +159,12 @@ class Pipeline:
         # AttributeError, or not at all (fit without shard trains locally), and a tp that cannot
         # apply would be dropped silently
         distributed = dist.is_available() and dist.is_initialized()
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if not distributed and world > 1:
+            # under torchrun / rk.launch without init_distributed(): each rank lowered to a local
+            # plan and trained the whole batch alone, writing the same checkpoints, without a word
+            raise RuntimeError(f"Pipeline.lower: this process is one of WORLD_SIZE={world} (torchrun or rk.launch), but "
+                               "torch.distributed is not initialised; call rk.parallel.init_distributed() first")
         if placement is None:
             placement = colocated_placement() if distributed and dist.get_world_size() > 1 else local_placement()
         elif isinstance(placement, DeviceMesh):

@@ -95,6 +95,9 @@ def test_run_on_several_processes_checks_options_before_starting_them(monkeypatc
     monkeypatch.delenv("RLKIT_TRACEBACK", raising=False)
     assert main(["run", "arithmetic", "--quiet", "--nproc-per-node", "2", "--eval-every", "-1"]) == 2
     assert "option 'eval_every' (--eval-every) must be >= 0" in capsys.readouterr().err
+    # a batch the processes cannot share failed in every worker, after the warm-up
+    assert main(["run", "arithmetic", "--quiet", "--nproc-per-node", "2", "--batch-size", "15"]) == 2
+    assert "--batch-size 15 must be a multiple of the 2 processes (--nproc-per-node); e.g. --batch-size 14" in capsys.readouterr().err
 
 
 TINY = {"sft_steps": 0, "steps": 2, "batch_size": 2, "n": 2, "eval_size": 4, "eval_every": 0, "quiet": True}

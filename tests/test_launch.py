@@ -162,6 +162,11 @@ def test_torchrun_argv_refuses_bad_sizes_naming_the_flag(scripts):
             torchrun_argv([*argv, "train.py"])
     for ok in (["--nproc-per-node", "auto"], ["--nproc-per-node", "cpu"], ["--nnodes", "1:2", "--rdzv-endpoint", "h:1"]):
         assert torchrun_argv([*ok, "train.py"])[-1] == "train.py"
+    # several machines need a meeting point: torchrun's static default (this machine) waited silently
+    for nnodes in ("2", "1:4"):
+        with pytest.raises(ValueError, match=f"^--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT"):
+            torchrun_argv(["--nnodes", nnodes, "--nproc-per-node", "2", "train.py"])
+    assert torchrun_argv(["--nnodes", "2", "--master-addr", "10.0.0.1", "--node-rank", "1", "train.py"])[-1] == "train.py"
     # an out-of-tree backend's name, as torchrun takes it, once the backend has renamed privateuse1
     with pytest.raises(ValueError, match="^--nproc-per-node is 'privateuseone'"):
         torchrun_argv(["--nproc-per-node", "privateuseone", "train.py"])
@@ -328,6 +333,40 @@ def test_a_restarted_run_is_not_taken_for_a_vanished_worker(tmp_path, child_env)
     assert _script_result(RESTARTED, tmp_path, child_env) == 1  # rank 0's result on the second attempt
 
 
+TERMINATED = textwrap.dedent(
+    """
+    import json, os, signal, sys, threading, time
+    from rlkit.launch import Terminated, launch
+
+    def sleeps():
+        time.sleep(60)
+
+    if __name__ == "__main__":
+        before = signal.getsignal(signal.SIGINT)
+        assert launch(len, [1, 2], nproc_per_node=1, run_dir=sys.argv[1] + "-ok", echo_logs=False) == 2
+        restored = signal.getsignal(signal.SIGINT) is before and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        threading.Timer(8, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()  # a scheduler's stop
+        t0 = time.monotonic()
+        try:
+            launch(sleeps, nproc_per_node=2, run_dir=sys.argv[1], echo_logs=False)
+            code = None
+        except Terminated as e:
+            code = e.code
+        print("RESULT " + json.dumps({"restored": restored, "code": code, "seconds": time.monotonic() - t0,
+                                      "handler_after": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL}), flush=True)
+    """
+)
+
+
+def test_sigterm_to_a_launch_is_terminated_and_the_signal_handlers_are_restored(tmp_path, child_env):
+    """torch elastic raised its own SignalException for a SIGTERM (rlkit run --nproc-per-node 2
+    printed its traceback and exited 1, not 143) and left its handlers installed after the launch
+    returned, so a later Ctrl-C in the caller's code raised SignalException, not KeyboardInterrupt."""
+    out = _script_result(TERMINATED, tmp_path, child_env)
+    assert out["restored"] and out["handler_after"]
+    assert out["code"] == 143 and out["seconds"] < 50
+
+
 def test_a_reused_run_dir_echoes_only_this_runs_output(tmp_path, monkeypatch, capsys):
     """Every earlier run's worker logs under run_dir/logs were echoed again before this run's own."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -350,6 +389,15 @@ def test_rk_launch_is_callable_and_holds_its_names():
 
     assert callable(rk.launch) and rk.launch.WorkerError is WorkerError and rk.launch.emit is emit
     assert rk.launch.launch is launch
+    # a launched function that writes rk.launch.emit holds the module: it must travel to the workers
+    # (cloudpickle failed: "cannot pickle '_CallableModule' object", before any worker started)
+    import cloudpickle
+
+    import rlkit.launch  # noqa: F401 - imported, as rk.launch(...) has imported it by then
+
+    notebook = {"rk": rk, "__name__": "__main__"}  # a notebook's function: cloudpickle ships it by value
+    exec("def train():\n    rk.launch.emit({'step': 0})\n", notebook)
+    assert cloudpickle.loads(cloudpickle.dumps(notebook["train"])).__globals__["rk"].launch is rk.launch
     # python -m rlkit.launch: runpy warned that the module was already imported by the package
     proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "rlkit.launch", "--nproc-per-node", "0", "x.py"],
                           capture_output=True, text=True, timeout=120)

@@ -232,6 +232,14 @@ def _ranks(*ranks):
     return SimpleNamespace(mesh=torch.tensor(ranks))
 
 
+def test_lower_under_a_launcher_needs_the_process_group(monkeypatch):
+    """Under torchrun or rk.launch without init_distributed(), every rank lowered to a local plan
+    and trained the whole batch alone (writing the same checkpoints) without a word."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 .*not initialised; call rk.parallel.init_distributed\(\) first"):
+        rk.Pipeline("grpo", reward=lambda completions, **_: [0.0] * len(completions)).lower()
+
+
 def test_lower_rejects_what_is_not_a_placement():
     from rlkit.parallel import Placement, local_placement
 

@@ -203,7 +203,9 @@ def gather_rows(batch, mesh: DeviceMesh | None = None):
     if fields:
         send = torch.cat(chunks)
         recv = send.new_empty(size * offset)
-        dist.all_gather_into_tensor(recv, send, group=group)
+        from rlkit.parallel.reshard import all_gather_flat
+
+        all_gather_flat(recv, send, group)
         recv = recv.view(size, offset)
         for key, dtype, shape, device, start, nbytes in fields:
             parts = [recv[r, start : start + nbytes].view(dtype).view(shape)[: counts[r]] for r in range(size)]

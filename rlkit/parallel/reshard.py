@@ -446,6 +446,14 @@ def gather_weights(
     return weights, report
 
 
+def all_gather_flat(out: torch.Tensor, tensor: torch.Tensor, group=None) -> None:
+    """Every rank's ``tensor``, concatenated in rank order, into ``out``: ``all_gather_single``
+    where torch has it (2.13 deprecates ``all_gather_into_tensor``, with a FutureWarning at every
+    call: every step of a multi-process run printed one), else ``all_gather_into_tensor``."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, tensor, group=group)
+
+
 def _all_gather_bucket(chunk, weights, src_index, n_src, group, device, report) -> None:
     """Colocated replicated copy: each rank contributes its padded rows, receives everyone's."""
     dtype = chunk[0].dtype
@@ -458,8 +466,7 @@ def _all_gather_bucket(chunk, weights, src_index, n_src, group, device, report) 
         send[offset : offset + local.numel()].copy_(local)
         offset += n
     recv = torch.empty(n_src * per_rank, dtype=dtype, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(recv, send, group=group)
+    all_gather_flat(recv, send, group)
     recv = recv.view(n_src, per_rank)
     offset = 0
     for p, n in zip(chunk, padded):

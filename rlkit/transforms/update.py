@@ -465,7 +465,9 @@ def _reduce_metrics(metrics, gap_abs, gap_max, n_tok, dp, device):
     # all-reduce for the sums and another for the max cost a collective each
     size = torch.distributed.get_world_size(dp.group)
     everyone = packed.new_empty(size * packed.numel())
-    torch.distributed.all_gather_into_tensor(everyone, packed, group=dp.group)
+    from rlkit.parallel.reshard import all_gather_flat
+
+    all_gather_flat(everyone, packed, dp.group)
     everyone = everyone.view(size, -1)
     sums = everyone[:, :-1].sum(0).tolist()
     out = dict(metrics)
