@@ -833,7 +833,7 @@ def load(
         extras=dict(trainer["extras"]),
         **specs,
     )
-    template.donate("rlkit.checkpoint.load")
+    template.donate("rlkit.checkpoint.load", restored)
     return restored
 
 

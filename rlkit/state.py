@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import weakref
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -37,9 +36,6 @@ class _Donation:
     by: str = ""
     reason: str = ""  # set when the call that consumed the state did not finish (see update)
 
-
-#: the default ``successor`` of :meth:`TrainState.donate`: the handle this one's latest replace() made
-_LATEST = object()
 
 #: what each consumer did to a donated state, and what to use instead
 _USE_INSTEAD = {
@@ -152,22 +148,16 @@ class TrainState:
         donation = object.__getattribute__(self, "_donation")
         if any(values[k] is not None and values[k] is object.__getattribute__(self, k) for k in _TRAINED):
             values["_donation"] = donation  # an alias of these weights: donated with them
-        state = TrainState(**values)
-        object.__setattr__(self, "_latest_replace", weakref.ref(state))
-        return state
+        return TrainState(**values)
 
-    def donate(self, by: str, successor: "TrainState | None" = _LATEST, *, reason: str = "") -> None:
+    def donate(self, by: str, successor: "TrainState | None", *, reason: str = "") -> None:
         """Mark this handle, and every handle sharing its models and optimizers (made by
         :meth:`replace`), as consumed by ``by`` (``update``, ``rlkit.checkpoint.load``).
 
         ``successor`` (the state the consuming call returns, made by ``replace`` from this one)
-        stays usable, now the only handle of the weights; by default it is the state this
-        handle's latest ``replace`` returned, None: no handle stays usable. ``reason`` says why the
+        stays usable, now the only handle of the weights; None: no handle stays usable. ``reason`` says why the
         state is unusable when the call did not finish (an exception mid-update)."""
         donation = object.__getattribute__(self, "_donation")
-        if successor is _LATEST:
-            latest = object.__getattribute__(self, "__dict__").get("_latest_replace")
-            successor = latest() if latest is not None else None
         donation.donated = True
         donation.by = by
         donation.reason = reason

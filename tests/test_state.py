@@ -8,7 +8,7 @@ from rlkit.state import DonatedStateError
 def test_donated_state_refuses_use(tiny_model, char_tok):
     state = rk.init(tiny_model, rk.optim.adamw(lr=1e-3), tokenizer=char_tok)
     state2 = state.replace(step=5)
-    state.donate("rlkit.update")
+    state.donate("rlkit.update", state2)
     with pytest.raises(DonatedStateError, match="donated to rlkit.update"):
         state.actor
     with pytest.raises(DonatedStateError):
@@ -186,10 +186,10 @@ def test_handles_made_by_replace_are_donated_with_the_state_they_alias(tiny_mode
     moved = new.replace(data_position=1)
     newer, _ = rk.update(moved, batch)
     assert new.is_donated and moved.is_donated and newer.step == 2 and newer.data_position == 1
-    # donate names its successor; by default the state the latest replace() made (as load does)
+    # donate names its successor (update and load pass the state they return)
     a = newer.replace(step=7)
     b = newer.replace(step=8)
-    newer.donate("rlkit.update")
+    newer.donate("rlkit.update", b)
     assert a.is_donated and not b.is_donated and b.step == 8
     b.donate("rlkit.update", None)
     assert b.is_donated

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from rlkit._checks import is_real
+from rlkit._checks import is_real, positive_finite_or_none
 from rlkit.algos.registry import Registry
 from rlkit.algos.stats import masked_mean, masked_sum
 
@@ -584,9 +584,8 @@ def value_loss(
     ``cliprange_value = 0.5`` is verl's critic default: a finite number > 0, or None: no
     clipping. Metrics: ``vf_clipfrac = mean[(v_clip - R)^2 > (v - R)^2]`` over valid tokens.
     """
-    if cliprange_value is not None and not (is_real(cliprange_value) and 0 < cliprange_value < math.inf):
-        # -0.5 made v_clip = v_old + 0.5 whatever v (an inverted range), nan made the loss NaN
-        raise ValueError(f"value_loss: cliprange_value must be a finite number > 0, or None (no clipping), got {cliprange_value!r}")
+    # -0.5 made v_clip = v_old + 0.5 whatever v (an inverted range), nan made the loss NaN
+    positive_finite_or_none(cliprange_value, "value_loss: cliprange_value", "no clipping")
     for name, value in (("old_values", old_values), ("returns", returns), ("response_mask", response_mask)):
         if not isinstance(value, torch.Tensor) or value.shape != values.shape:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__

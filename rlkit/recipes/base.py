@@ -86,10 +86,8 @@ class Recipe:
         # a negative norm used to be accepted and turned every update into gradient ascent
         positive_finite_or_none(self.max_grad_norm, f"{name}.max_grad_norm", "no clipping")
         # names too: a misspelt loss, option or aggregation used to surface after the first rollout
-        from rlkit.algos import AGGREGATIONS
+        from rlkit.algos import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_PENALTIES
         from rlkit.transforms.update import _resolve_loss
-
-        from rlkit.algos import ADVANTAGE_ESTIMATORS, KL_PENALTIES
 
         try:
             _resolve_loss(self.loss, self.loss_kw)
