@@ -105,12 +105,17 @@ def test_registry_errors_say_what_is_valid():
     assert "ppo_clip" in registry and "ppo" not in registry and list(registry) == registry.names()
 
 
-def test_reward_model_role_scores_the_sequences(char_tok):
+@pytest.mark.parametrize("config_pad", ["tokenizer's", None])
+def test_reward_model_role_scores_the_sequences(char_tok, config_pad):
+    """Each sequence scored as it is alone, unpadded; also for a classifier whose config has no
+    pad_token_id (transformers refused a batch of more than one: RewardModel aligns the sequences
+    itself), whose config is left as it was."""
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
+    pad = char_tok.pad_token_id if config_pad else None
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=len(char_tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, intermediate_size=64, num_labels=1, pad_token_id=char_tok.pad_token_id)
+                      num_key_value_heads=1, intermediate_size=64, num_labels=1, pad_token_id=pad)
     rm = Qwen2ForSequenceClassification(cfg).eval()
     batch = make_batch([[5, 6], [7]], [[8, 9, 10], [11]], pad_token_id=char_tok.pad_token_id)
     got = rk.score(batch, RewardModel(rm))["rewards"]
@@ -118,6 +123,7 @@ def test_reward_model_role_scores_the_sequences(char_tok):
     with torch.no_grad():
         ref = [rm(input_ids=torch.tensor([[5, 6, 8, 9, 10]])).logits[0, 0], rm(input_ids=torch.tensor([[7, 11]])).logits[0, 0]]
     torch.testing.assert_close(got, torch.stack(ref), atol=1e-5, rtol=1e-5)
+    assert rm.config.pad_token_id == pad  # the model is left as it was
 
 
 def test_lazy_rows_compute_each_row_once_in_blocks():

@@ -123,26 +123,6 @@ def test_hash_format_scores_only_completions_that_end_with_the_answer_line():
                         "the answer is #### 42", "#### forty-two", ""]) == [0.0, 1.0, 1.0, 0.0, 0.0, 0.0]
 
 
-def test_reward_model_without_a_pad_token_id_scores_each_sequence_as_alone(char_tok):
-    """transformers refuses batches > 1 for a classifier without pad_token_id; RewardModel aligns
-    the sequences itself and needs none."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
-    from rlkit.rewards import RewardModel
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(char_tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, intermediate_size=64, num_labels=1, pad_token_id=None)
-    rm = Qwen2ForSequenceClassification(cfg).eval()
-    batch = make_batch([[5, 6], [7]], [[8, 9, 10], [11]], pad_token_id=char_tok.pad_token_id)
-    got = rk.score(batch, RewardModel(rm))["rewards"]
-    with torch.no_grad():
-        ref = [rm(input_ids=torch.tensor([[5, 6, 8, 9, 10]])).logits[0, 0], rm(input_ids=torch.tensor([[7, 11]])).logits[0, 0]]
-    torch.testing.assert_close(got, torch.stack(ref), atol=1e-5, rtol=1e-5)
-    assert rm.config.pad_token_id is None  # the model is left as it was
-
-
 def test_rewards_see_text_without_special_tokens_as_documented_and_can_opt_out():
     """As TRL and verl, rewards score text decoded with skip_special_tokens=True ("4<unk>6" is
     "46"); score and decode_batch now say so, and how to score the special tokens too."""
