@@ -59,7 +59,7 @@ def test_packed_rows_attention_fallback_equals_padded_layout(monkeypatch):
                      initializer_range=0.2)
         with torch.no_grad():
             padded, _ = response_logprobs(model, *args, layout="padded")
-            monkeypatch.setattr(L, "_can_use_varlen", lambda backbone, device, tokens=0: True)
+            monkeypatch.setattr(L, "_can_use_varlen", lambda backbone, device, tokens=0, longest=None: True)
             packed, _ = response_logprobs(model, *args)
             monkeypatch.undo()
         torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)

@@ -7,7 +7,9 @@ Row order is prompt-major: row ``i * n + j`` is the ``j``-th sample of prompt ``
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -105,16 +107,37 @@ class Engine(Protocol):
         ...
 
 
-def pick_pad_token_id(config, pad_token_id: int | None = None) -> int:
-    """The id engines pad with: the given one, else the config's pad, else its (first) eos, else 0."""
+def pick_pad_token_id(config, pad_token_id: int | None = None, vocab: int | None = None) -> int:
+    """The id engines pad with: the given one, else the config's pad, else its (first) eos, else 0.
+
+    ``vocab``: the model's input vocabulary (embedding rows; default ``config.vocab_size``). A
+    config id outside ``[0, vocab)`` is skipped: e.g. ``pad_token_id=-1``, as early Llama
+    conversions ship, crashed the engine's embedding with a bare ``IndexError``; pads are masked,
+    so any id in the vocabulary does. An explicitly given ``pad_token_id`` outside it is refused
+    with a ``ValueError`` naming the argument."""
+    if vocab is None:
+        vocab = getattr(config, "vocab_size", None)
+        vocab = vocab if is_int(vocab) and vocab > 0 else None
+
+    def usable(value) -> bool:
+        return is_int(value) and value >= 0 and (vocab is None or value < vocab)
+
     if pad_token_id is not None:
+        if not is_int(pad_token_id) and not isinstance(pad_token_id, bool):
+            with contextlib.suppress(TypeError):
+                pad_token_id = operator.index(pad_token_id)  # e.g. a 0-d integer tensor
+        if not usable(pad_token_id):
+            where = f"[0, {vocab})" if vocab is not None else "the ids >= 0"
+            raise ValueError(
+                f"pad_token_id={pad_token_id!r} is not a token id of the model's vocabulary {where}; pass an id in it "
+                "(pads are masked, so any id works, e.g. the tokenizer's pad or eos id) or None to take the config's"
+            )
         return int(pad_token_id)
     for name in ("pad_token_id", "eos_token_id"):
         value = getattr(config, name, None)
-        if isinstance(value, (list, tuple)):
-            value = value[0] if value else None
-        if value is not None:
-            return int(value)
+        for candidate in value if isinstance(value, (list, tuple)) else (value,):
+            if usable(candidate):
+                return int(candidate)
     return 0
 
 

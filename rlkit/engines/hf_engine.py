@@ -26,6 +26,13 @@ def _pad_id(tokenizer_or_pad_id) -> int:
         raise TypeError("HFEngine: pass a tokenizer or an int pad id, got a bool")
     if isinstance(tokenizer_or_pad_id, int):
         return tokenizer_or_pad_id
+    if tokenizer_or_pad_id is None:
+        # e.g. rollout(state, engine="hf") on a state built without a tokenizer
+        raise ValueError(
+            "HFEngine: no tokenizer (got None), so no pad id to pad prompts with; pass a tokenizer, e.g. "
+            "rk.init(model, tokenizer=tokenizer) before rollout(..., engine='hf'), or build HFEngine(model, tokenizer) "
+            "or HFEngine(model, pad_id) with the pad id as an int"
+        )
     pad = getattr(tokenizer_or_pad_id, "pad_token_id", None)
     if pad is None:
         raise ValueError(

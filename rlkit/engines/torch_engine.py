@@ -758,10 +758,11 @@ class TorchEngine:
                 raise ValueError(f"weights have no {prefix}self_attn.q_proj.weight (config has {self.num_layers} layers)")
             self.layers.append(layer)
         self.rotary = rotary if rotary is not None else self._build_rotary(config)
-        self.pad_token_id = self._pick_pad(config, pad_token_id)
+        self.pad_token_id = self._pick_pad(config, pad_token_id, embed.shape[0])
         self.sync_every = sync_every
         self.policy_version = 0
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cos_sin_regime: bool | None = None  # longrope: whether the cached table holds the long factors
         on_cuda = self.device.type == "cuda"
         self.cuda_graphs = on_cuda if cuda_graphs is None else bool(cuda_graphs) and on_cuda
         self.fused_sampling = (on_cuda if fused_sampling is None else bool(fused_sampling)) and on_cuda
@@ -823,8 +824,10 @@ class TorchEngine:
         return getattr(module, SUPPORTED[config.model_type])(config=config)
 
     @staticmethod
-    def _pick_pad(config, pad_token_id: int | None) -> int:
-        return pick_pad_token_id(config, pad_token_id)
+    def _pick_pad(config, pad_token_id: int | None, vocab: int | None = None) -> int:
+        """:func:`rlkit.engines.base.pick_pad_token_id` over the embedding's ``vocab`` rows: a
+        config pad outside them (e.g. -1) is skipped, a ``pad_token_id`` argument outside them refused."""
+        return pick_pad_token_id(config, pad_token_id, vocab)
 
     @property
     def fused(self) -> bool:
@@ -902,18 +905,51 @@ class TorchEngine:
         return {"bytes": float(copied), "seconds": time.perf_counter() - start, "fused_bytes": float(fused_bytes)}
 
     # ------------------------------------------------------------------ model math
-    def _rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (length d) for positions 0..length-1, from the model's rotary module."""
-        if self._cos_sin is None or self._cos_sin[0].shape[0] < length:
+    def _longrope_limit(self) -> int | None:
+        """``original_max_position_embeddings`` of a "longrope" rotary (None for any other type):
+        transformers' longrope rotates every position with its short factors while a sequence
+        has at most that many tokens and with its long factors otherwise
+        (``modeling_rope_utils.dynamic_rope_update``)."""
+        if getattr(self.rotary, "rope_type", None) != "longrope":
+            return None
+        config = getattr(self.rotary, "config", None) or self.config
+        params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        limit = params.get("original_max_position_embeddings") if isinstance(params, Mapping) else None
+        limit = limit or getattr(config, "original_max_position_embeddings", None)
+        return int(limit) if limit else None
+
+    def _rope_regime(self, length: int) -> bool | None:
+        """For a longrope rotary, whether a sequence of ``length`` tokens takes the long factors
+        (None for other rotaries: their values at a position do not depend on ``length`` here)."""
+        limit = self._longrope_limit()
+        return None if limit is None else length > limit
+
+    def _rope_table(self, length: int, longest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (length d, or more rows) for positions 0..length-1, from the model's rotary
+        module, as the model computes them for a sequence of ``longest`` tokens (default
+        ``length``; the rollout's longest prompt plus ``max_new_tokens``): a longrope rotary
+        takes its short factors for every position while ``longest`` is within
+        ``original_max_position_embeddings`` and its long ones otherwise (``modeling_rope_utils``).
+        In the short regime the table stops at that limit: no row reads a position past ``longest``."""
+        context = getattr(self.config, "max_position_embeddings", None) or 256
+        limit = self._longrope_limit()
+        regime = self._rope_regime(length if longest is None else longest)
+        if regime is False:
+            length = min(length, limit)
+        # a cached table is reused only within the longrope regime it was built for
+        if self._cos_sin is None or self._cos_sin[0].shape[0] < length or self._cos_sin_regime != regime:
             rotary = self.rotary.to(self.device)
             # rounded up to 256 positions for reuse, but never past the model's context: a dynamic
             # rotary (rope_scaling "dynamic") rescales its frequencies for a longer sequence, and
-            # every position of a model with a context under 256 got the wrong rotation
-            context = getattr(self.config, "max_position_embeddings", None) or 256
-            positions = torch.arange(max(length, min(256, context)), device=self.device)[None]
+            # every position of a model with a context under 256 got the wrong rotation; nor, in
+            # longrope's short regime, past its original context (a longer table takes the long
+            # factors for every position: log-probs up to 1.5 off the model's)
+            cap = min(context, limit) if regime is False else context
+            positions = torch.arange(max(length, min(256, cap)), device=self.device)[None]
             dummy = torch.empty(0, device=self.device, dtype=self.dtype)
             cos, sin = rotary(dummy, positions)
             self._cos_sin = (cos[0], sin[0])
+            self._cos_sin_regime = regime
         return self._cos_sin
 
     def _pre_attention(self, layer: dict, x: torch.Tensor, cos, sin):
@@ -1208,11 +1244,15 @@ class TorchEngine:
     def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         return left_pad_prompts(prompts, self.pad_token_id, self.weights["model.embed_tokens.weight"].shape[0])
 
-    def _new_plan(self, key: tuple, b: int, p: int, steps: int, params: SamplingParams, fused_sampler: bool) -> _Plan:
+    def _new_plan(self, key: tuple, b: int, p: int, steps: int, params: SamplingParams, fused_sampler: bool,
+                  rope_length: int | None = None) -> _Plan:
+        """``rope_length``: the longest sequence the rows can reach (longest real prompt plus
+        ``steps``; default ``p + steps``), which picks a longrope rotary's factors (prompts
+        bucketed to a wider ``p`` keep the model's short factors; see :meth:`_rope_table`)."""
         total = p + steps
         kv_shape = (b, self.num_kv_heads, total, self.head_dim)
         dev = self.device
-        cos, sin = self._rope_table(total)
+        cos, sin = self._rope_table(total, rope_length)
         state = _DecodeState(
             tokens=torch.zeros(b, dtype=torch.long, device=dev),
             step=torch.zeros((), dtype=torch.long, device=dev),
@@ -1290,6 +1330,8 @@ class TorchEngine:
         # the n samples of a prompt share its prefill: run it once per prompt, then copy the
         # keys/values (and the last hidden state) to the prompt's n rows
         ids, unique_mask = self._left_pad(prompt_ids)
+        # positions run up to the longest prompt plus max_new_tokens, whatever the bucketed width
+        rope_length = ids.shape[1] + params.max_new_tokens
         graphs = self._can_graph(params, generator)
         if graphs and ids.shape[1] % self.prompt_bucket:
             # a kept plan (cache and graphs) serves one prompt width: round it up, so that the next
@@ -1307,11 +1349,13 @@ class TorchEngine:
             self._refresh_fused()
         fused_sampler = self._uses_fused_sampler(params)
         stop_ids = () if params.ignore_stop else tuple(sorted(set(params.stop_token_ids)))
-        key = (b, p, steps, params.temperature, params.top_k, params.top_p, stop_ids, params.ignore_stop, fused_sampler, graphs)
+        # a kept plan's rotary table serves one longrope regime (short or long factors)
+        key = (b, p, steps, params.temperature, params.top_k, params.top_p, stop_ids, params.ignore_stop, fused_sampler, graphs,
+               self._rope_regime(rope_length))
         plan = self._plan
         if plan is None or plan.key != key or not graphs:
             self._plan = None  # free the old cache before allocating the new one
-            plan = self._new_plan(key, b, p, steps, params, fused_sampler)
+            plan = self._new_plan(key, b, p, steps, params, fused_sampler, rope_length)
             if graphs:
                 self._plan = plan
         self._reset(plan, prompt_mask)

@@ -44,6 +44,13 @@ of the responses, gathered by one index per tensor from a plan built once per la
 
 ``USE_VARLEN_ATTENTION`` / ``USE_FUSED_LOGPROBS`` (module flags) turn either off.
 
+Architectures: the packed layouts (shared prompts, transformers' packed mask, varlen) run only
+for the model types checked to honour packed rows (:data:`PACKED_MODEL_TYPES`); any other causal
+LM (OPT, BLOOM, MPT, Falcon, ...) gets the padded layout, which is exact for all of them. rlkit's
+own attention functions further need full causal attention: no attention dropout while
+training, no logit soft-capping, and no sliding window shorter than the batch's longest row
+(:func:`_full_attention_packed`); otherwise the packed rows attend through transformers.
+
 FSDP2: ``fully_shard`` unshards parameters in module forward hooks, so all the work happens
 inside :class:`LogprobModule.forward` / :class:`ValueModule.forward`. Shard the wrapper (the
 root), e.g. ``fully_shard(layer) for each layer; fully_shard(LogprobModule(model))``; calling
@@ -61,7 +68,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rlkit._checks import input_vocab, is_real
+from rlkit._checks import input_vocab, is_int, is_real
 from rlkit._triton import lazy_kernels
 from rlkit.batch import input_response_mask, packed
 from rlkit.engines.torch_engine import _additive_mask, _small_attention
@@ -74,6 +81,24 @@ tl: Any = None
 LAYOUTS = ("packed", "padded")
 #: attention implementations whose masks transformers derives from packed ``position_ids``
 PACKED_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+#: ``config.model_type``s whose transformers implementation honours packed rows: positions from
+#: the restarting ``position_ids``, the block-diagonal causal mask transformers derives from them,
+#: and attention through the interface that rlkit's shared-prompt / varlen functions plug into
+#: (every kwarg they need passed down). Each was checked (transformers 5.x, tiny random models)
+#: against the plain model run one unpadded row at a time, in all three packed layouts (shared
+#: prompts, transformers' packed mask, varlen). Any other model type runs ``layout="packed"`` as
+#: the padded layout, which is exact for every causal LM: OPT (positions from the attention mask,
+#: not ``position_ids``), BLOOM and MPT (ALiBi, no ``position_ids``) gave log-probs off by 0.6 to
+#: 3.6 packed, and Falcon, MPT and StableLM crashed in rlkit's attention
+#: (``tests/models/test_arch_variants.py``). Only add a model type after checking it the same
+#: way. A string lookup: no cost per call.
+PACKED_MODEL_TYPES = frozenset({
+    "llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "gpt_neox", "gptj", "phi", "olmo", "olmo2",
+    "starcoder2", "mixtral", "qwen2_moe", "mistral", "gpt2", "gpt_bigcode",
+})
+#: config fields holding the attention-probability dropout of the model types above (rlkit's
+#: attention functions apply none, so a training model with one runs transformers' attention)
+_ATTENTION_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attn_dropout", "attention_probs_dropout_prob")
 #: config fields that change logits after ``lm_head``; this module does not reproduce them
 _UNSUPPORTED_LOGIT_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 #: CUDA fast paths (see the module docstring); set False to measure or debug the generic ones
@@ -106,11 +131,24 @@ def _varlen_attention(module, query, key, value, attention_mask, dropout: float 
     cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     if cu is None or max_len is None:
         raise RuntimeError("rlkit varlen attention needs cu_seq_lens_q / max_length_q (call through rlkit.models.response_hidden)")
-    if dropout or sliding_window is not None:
-        raise RuntimeError(f"rlkit varlen attention supports no attention dropout ({dropout}) or sliding window ({sliding_window})")
+    _check_attention_options("varlen", dropout, sliding_window, max_len, kwargs)
     groups = query.shape[1] // key.shape[1]
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (n heads d)
     return _attend_segments(q, k, v, cu, cu, max_len, max_len, scaling, groups)[None], None
+
+
+def _check_attention_options(name: str, dropout, sliding_window, longest: int, kwargs: dict) -> None:
+    """Refuse what rlkit's attention functions do not compute: attention dropout, logit
+    soft-capping, and a sliding window that can hide a key, i.e. one smaller than the layout's
+    longest row ``longest`` (a window at least that long hides nothing: full causal attention).
+    :func:`response_view` picks these layouts only when none applies (:func:`_full_attention_packed`)."""
+    if dropout:
+        raise RuntimeError(f"rlkit {name} attention applies no attention dropout ({dropout})")
+    if sliding_window is not None and sliding_window < longest:
+        raise RuntimeError(f"rlkit {name} attention supports no sliding window ({sliding_window}) shorter than the "
+                           f"layout's longest row ({longest} tokens)")
+    if kwargs.get("softcap") is not None:
+        raise RuntimeError(f"rlkit {name} attention applies no attention logit soft-capping ({kwargs['softcap']})")
 
 
 def _varlen_options() -> frozenset:
@@ -385,8 +423,7 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, dropout:
     layout: SharedPrefix | None = kwargs.get("rlkit_shared_prefix")
     if layout is None:
         raise RuntimeError("rlkit shared-prefix attention needs rlkit_shared_prefix (call through rlkit.models.response_hidden)")
-    if dropout or sliding_window is not None:
-        raise RuntimeError(f"rlkit shared-prefix attention supports no attention dropout ({dropout}) or sliding window ({sliding_window})")
+    _check_attention_options("shared-prefix", dropout, sliding_window, max(layout.prompt_max, layout.key_max), kwargs)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (n h d)
     groups = q.shape[1] // k.shape[1]
     attend = _shared_segments if _flash_ok(q) else _shared_padded
@@ -493,23 +530,72 @@ def _checkpointing(backbone: nn.Module) -> bool:
     return False
 
 
-def _full_attention_packed(backbone: nn.Module) -> bool:
-    """The model can run a custom packed layout: full causal attention in every layer (no sliding
-    window, no gradient checkpointing, no attention dropout while training) through an
-    implementation that reads packed positions. What both shared prompts and varlen attention
-    need; without it the packed layout runs through transformers' own attention."""
+def packs_rows(backbone: nn.Module) -> bool:
+    """Whether ``backbone``'s model type is known to honour packed rows (:data:`PACKED_MODEL_TYPES`):
+    only then does :func:`response_view` build a packed layout; any other model runs
+    ``layout="packed"`` as the padded layout (exact for every causal LM, only slower)."""
+    return getattr(getattr(backbone, "config", None), "model_type", None) in PACKED_MODEL_TYPES
+
+
+def _attention_dropout(config) -> float:
+    """The attention-probability dropout the config sets under any of the usual names
+    (:data:`_ATTENTION_DROPOUT_FIELDS`: Llama's ``attention_dropout``, GPT-2's ``attn_pdrop``, ...)."""
+    rates = [getattr(config, name, None) for name in _ATTENTION_DROPOUT_FIELDS]
+    return max([float(r) for r in rates if is_real(r)] or [0.0])
+
+
+def _sliding_window(config) -> int | None:
+    """The attention window some layer of the model may apply: None when every layer attends to
+    all earlier tokens; 0 when a layer slides (or attends otherwise than fully) over a window
+    this cannot tell. Qwen2/3 and Gemma name the sliding layers in ``layer_types`` (Qwen2's
+    ``use_sliding_window`` builds them) and leave ``sliding_window`` unused otherwise; Mistral,
+    Mixtral, Phi-3 and Starcoder2 have no ``layer_types`` and apply ``sliding_window`` in every layer."""
+    window = getattr(config, "sliding_window", None)
+    window = int(window) if is_int(window) else None
+    layer_types = getattr(config, "layer_types", None)
+    kinds = set(layer_types or ()) - {"full_attention"}
+    if getattr(config, "use_sliding_window", False) or kinds:
+        return window if kinds <= {"sliding_attention"} and window is not None and window > 0 else 0
+    return None if layer_types else window
+
+
+def _longest_row(prompt_mask: torch.Tensor, response_mask: torch.Tensor, window: int | None) -> int | None:
+    """The longest row (prompt + response tokens) of the batch, or None when no ``window`` applies.
+    Without reading the masks (a host sync on a device) when the padded width is within the window:
+    no row is longer than that."""
+    if window is None:
+        return None
+    width = prompt_mask.shape[1] + response_mask.shape[1]
+    if window >= width:
+        return width
+    return int((prompt_mask.sum(1) + response_mask.sum(1)).max()) if prompt_mask.shape[0] else 0
+
+
+def _full_attention_packed(backbone: nn.Module, longest: int | None = None) -> bool:
+    """The model can run a custom packed layout (shared prompts, varlen attention): a model type
+    known to honour packed rows (:data:`PACKED_MODEL_TYPES`), no gradient checkpointing, no
+    attention dropout while training (under any of :data:`_ATTENTION_DROPOUT_FIELDS`), no
+    attention logit soft-capping, and full causal attention in every layer over rows of up to
+    ``longest`` tokens: a sliding window (:func:`_sliding_window`) counts only when it is shorter
+    than ``longest`` (None: rows of any length, so any window counts), as a window at least as
+    long as every row hides no key. Through an implementation that reads packed positions.
+    Without it the packed layout runs through transformers' own attention (for the model types
+    of :data:`PACKED_MODEL_TYPES`; others run padded)."""
     config = getattr(backbone, "config", None)
-    if config is None or _checkpointing(backbone) or getattr(config, "use_sliding_window", False):
+    if config is None or getattr(config, "model_type", None) not in PACKED_MODEL_TYPES or _checkpointing(backbone):
         return False
-    if backbone.training and (getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+    if backbone.training and _attention_dropout(config) > 0:
         return False  # rlkit's attention functions apply no dropout
-    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
+    if getattr(config, "attn_logit_softcapping", None):
+        return False  # nor soft-capping (Gemma 2)
+    window = _sliding_window(config)
+    if window is not None and (longest is None or window < longest):
         return False
     return getattr(config, "_attn_implementation", None) in PACKED_ATTENTION
 
 
-def _can_use_varlen(backbone: nn.Module, device: torch.device, tokens: int = 0) -> bool:
-    if not USE_VARLEN_ATTENTION or device.type not in ("cuda", "cpu") or not _full_attention_packed(backbone):
+def _can_use_varlen(backbone: nn.Module, device: torch.device, tokens: int = 0, longest: int | None = None) -> bool:
+    if not USE_VARLEN_ATTENTION or device.type not in ("cuda", "cpu") or not _full_attention_packed(backbone, longest):
         return False
     if device.type == "cpu" and tokens <= CPU_DENSE_MASK_MAX_TOKENS:
         return False
@@ -738,7 +824,13 @@ def response_view(
     where the tensors are). Checks the masks (left-padded prompts, right-padded responses) and
     picks the layout the way :func:`response_hidden` does; built where the tensors are, then
     moved to ``device``. Also checks that the ids under the masks lie in the backbone's
-    vocabulary (its input embedding rows)."""
+    vocabulary (its input embedding rows).
+
+    ``layout="packed"`` packs only model types known to honour packed rows
+    (:data:`PACKED_MODEL_TYPES`); for any other the view is the padded one (``kind="padded"``),
+    which gives every causal LM its exact log-probs, so the choice is silently correct. Shared
+    prompts and varlen attention further need :func:`_full_attention_packed` (e.g. a sliding
+    window no shorter than the batch's longest row)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     _check_inputs(prompt_ids, prompt_mask, response_ids, response_mask, input_vocab(backbone))
@@ -748,8 +840,9 @@ def response_view(
     scatter_index = response_mask.flatten().nonzero().flatten()
     shape = tuple(response_mask.shape)
     out = ResponseView("padded", None, False, targets, scatter_index, shape)
-    if layout == "packed":
-        attn = getattr(getattr(backbone, "config", None), "_attn_implementation", "sdpa")
+    if layout == "packed" and packs_rows(backbone):
+        config = getattr(backbone, "config", None)
+        attn = getattr(config, "_attn_implementation", "sdpa")
         if attn not in PACKED_ATTENTION:
             raise ValueError(
                 f"layout='packed' needs an attention implementation that reads packed position_ids "
@@ -758,12 +851,16 @@ def response_view(
         share = SHARE_PROMPTS if share_prompts is None else share_prompts
         if share == "auto":
             share = shares_prompts(device)
-        view = shared_prefix(prompt_ids, prompt_mask, response_ids, response_mask) if share and _full_attention_packed(backbone) else None
+        # a sliding window blocks rlkit's attention only where it is shorter than a row: read the
+        # rows' lengths only for a model with a window (no host sync otherwise)
+        longest = _longest_row(prompt_mask, response_mask, _sliding_window(config))
+        view = shared_prefix(prompt_ids, prompt_mask, response_ids, response_mask) if share and _full_attention_packed(backbone, longest) else None
         if view is not None:
             out = ResponseView("shared", view, True, targets, scatter_index, shape)
         else:
             view = packed({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids, "response_mask": response_mask}, drop_last=True)
-            out = ResponseView("packed", view, _can_use_varlen(backbone, device, view.input_ids.numel()), targets, scatter_index, shape)
+            varlen = _can_use_varlen(backbone, device, view.input_ids.numel(), longest)
+            out = ResponseView("packed", view, varlen, targets, scatter_index, shape)
     return out.to(device)
 
 
@@ -787,7 +884,9 @@ def response_hidden(
     sequence with ``position_ids`` restarting per row; transformers turns restarting positions
     into a block-diagonal causal mask (``masking_utils.find_packed_sequence_indices``) when no
     attention mask is given; on CUDA varlen flash attention over ``cu_seqlens`` is used instead
-    (no ``(n n)`` mask, see the module docstring). ``layout="padded"``: the ``(b p+t)`` batch with its attention mask,
+    (no ``(n n)`` mask, see the module docstring). Only for the model types of
+    :data:`PACKED_MODEL_TYPES`: any other model gets the padded layout instead (exact, silently;
+    :func:`response_view`). ``layout="padded"``: the ``(b p+t)`` batch with its attention mask,
     ``position_ids = cumsum(mask) - 1`` and id 0 at the pads (whatever the pad id).
 
     ``view``: the batch's :class:`ResponseView`, built beforehand (e.g. on the CPU, see
