@@ -202,6 +202,17 @@ def _recipe_before_warmup(opts: argparse.Namespace):
     return recipe
 
 
+def _overlong_shaping(recipe) -> dict[str, int]:
+    """DAPO's overlong buffer for the job: 1 token. The task's ``max_new_tokens`` is its longest
+    answer + 2 (5 for 2-digit sums), so a right answer and its EOS end at least one token before
+    the limit; the soft overlong punishment should touch only the responses that reach the limit
+    (cut off, or rambling: the warm-up teacher's ``"+0"``). DAPO's default buffer of 4 made the
+    penalty ramp from length 1: every answer was penalised, 0.25 per token."""
+    from rlkit.recipes import DAPO
+
+    return {"overlong_buffer": 1} if isinstance(recipe, DAPO) else {}
+
+
 def _resume_target(opts: argparse.Namespace):
     """The checkpoint ``--resume`` points at, or None (a fresh start).
 
@@ -328,7 +339,7 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
         acc_before = accuracy(model)
         console.print(f"held-out accuracy after warm-up: [bold]{acc_before:.3f}[/bold]")
 
-    recipe = recipe.with_(max_new_tokens=task.max_new_tokens)
+    recipe = recipe.with_(max_new_tokens=task.max_new_tokens, **_overlong_shaping(recipe))
     critic = None
     if recipe.needs_critic():
         from rlkit.models import critic as make_critic

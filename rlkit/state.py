@@ -76,7 +76,9 @@ class TrainState:
     - ``ref``: frozen reference policy for KL, or None.
     - ``critic`` / ``critic_optimizer`` / ``critic_scheduler``: value model for PPO, or None.
     - ``step``: number of completed ``update`` calls; ``policy_version``: version of the actor's
-      weights (bumped by every optimizer step, stamped on every rollout row).
+      weights: bumped by one by every ``update`` that took at least one optimizer step (however
+      many mini-batch steps it took), stamped on every rollout row; an engine whose version lags
+      the state's is re-synced. The optimizer's own step count is ``scheduler.last_epoch``.
     - ``seed``: root of every random key (see :func:`fold_in`).
     - ``data_position``: how many prompt batches the data loader has consumed (for resume).
     - ``extras``: small picklable values recipes carry between steps (e.g. an adaptive KL

@@ -214,3 +214,13 @@ def test_donated_state_error_names_what_to_use_for_what_consumed_it(tmp_path, ti
     _, _ = rk.update(restored, _tiny_batch(tiny_model))
     with pytest.raises(DonatedStateError, match=r"donated to rlkit\.update.*`state, metrics = rk\.update\(state, batch\)`"):
         restored.lr  # noqa: B018
+
+
+def test_policy_version_counts_updates_that_stepped_and_the_scheduler_counts_optimizer_steps(tiny_model, char_tok):
+    # the TrainState docstring: one version per update that stepped, however many mini-batch steps
+    state = rk.init(tiny_model, tokenizer=char_tok)
+    batch = rk.rollout(state, ["1+2=", "3+4="], n=4, max_new_tokens=4)
+    batch = rk.advantage(rk.score(batch, lambda completions, **_: [float(len(c) % 2) for c in completions]), "grpo")
+    for k in range(1, 3):
+        state, _ = rk.update(state, batch, mini_batch_size=4, epochs=2)  # 2 x 2 optimizer steps
+        assert (state.step, state.policy_version, state.scheduler.last_epoch) == (k, k, 4 * k)

@@ -10,6 +10,26 @@ from typing import Callable, Generic, Iterator, TypeVar
 F = TypeVar("F", bound=Callable)
 
 
+def _where(fn: object) -> str:
+    qualname = getattr(fn, "__qualname__", None)
+    if qualname is None:
+        return repr(fn)
+    module = getattr(fn, "__module__", None)
+    return f"{qualname} (module {module})" if module else qualname
+
+
+def _same_definition(old: object, new: object) -> bool:
+    """``new`` is ``old`` or a new definition of it: the same ``__module__`` and ``__qualname__``,
+    as a re-run notebook cell or a reloaded module makes. Lambdas are never matched by name: two
+    lambdas of one module share the qualname ``<lambda>`` and are not the same function."""
+    if old is new:
+        return True
+    module, qualname = getattr(new, "__module__", None), getattr(new, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str) or qualname.endswith("<lambda>"):
+        return False
+    return getattr(old, "__module__", None) == module and getattr(old, "__qualname__", None) == qualname
+
+
 class Registry(Generic[F]):
     """A catalogue of functions of one family (advantage estimators, policy losses, ...)."""
 
@@ -17,16 +37,21 @@ class Registry(Generic[F]):
         self.kind = kind
         self._fns: dict[str, F] = {}
 
-    def register(self, *names: str | F) -> Callable[[F], F] | F:
+    def register(self, *names: str | F, override: bool = False) -> Callable[[F], F] | F:
         """Decorator: ``@POLICY_LOSSES.register("ppo_clip", "vanilla")``.
 
         Without names (``@REG.register`` or ``@REG.register()``) the function is registered
         under its ``__name__``: the bare form is what a user writes first, and it used to hand
         back the inner decorator in place of the function and register nothing. Either way the
         decorator returns the function itself, so the decorated name stays a usable function.
+
+        A name already taken is refused, unless it is taken by the same function or by a function
+        of the same ``__module__`` and ``__qualname__`` (a re-run notebook cell, a reloaded module:
+        the new definition replaces the old one). ``override=True`` replaces whatever the name
+        holds, built-in names included.
         """
         if len(names) == 1 and callable(names[0]) and not isinstance(names[0], str):
-            return self.register()(names[0])  # bare @REG.register: the function came as the "name"
+            return self.register(override=override)(names[0])  # bare @REG.register: the function came as the "name"
         for name in names:
             if not isinstance(name, str) or not name:
                 raise TypeError(
@@ -48,9 +73,13 @@ class Registry(Generic[F]):
                     )
                 keys = (own,)
             for name in keys:
-                if name in self._fns and self._fns[name] is not fn:
+                if name in self._fns and not override and not _same_definition(self._fns[name], fn):
                     owner = self._fns[name]
-                    raise ValueError(f"{self.kind} {name!r} is already registered to {getattr(owner, '__qualname__', repr(owner))}")
+                    raise ValueError(
+                        f"{self.kind} {name!r} is already registered to {_where(owner)}, a different function from "
+                        f"{_where(fn)}; choose another name, or pass override=True to replace it: "
+                        f"register({name!r}, override=True)(fn)"
+                    )
             for name in keys:  # all names checked first, so a clash registers none of them
                 self._fns[name] = fn
             return fn

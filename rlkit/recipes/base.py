@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
 import torch
@@ -90,7 +90,7 @@ class Recipe:
         from rlkit.transforms.update import _resolve_loss
 
         try:
-            _resolve_loss(self.loss, self.loss_kw)
+            loss_fn, _, _, loss_accepts = _resolve_loss(self.loss, self.loss_kw)
             if self.agg is not None:
                 AGGREGATIONS.get(self.agg)
             # and the estimator, the KL mode and the engine: they failed after the first rollout
@@ -101,6 +101,16 @@ class Recipe:
                 KL_PENALTIES.get(self.kl[0])
         except (KeyError, ValueError, TypeError) as e:
             raise ValueError(f"{name}: {e}") from None
+        default_agg = next(f.default for f in fields(self) if f.name == "agg")
+        if self.agg is not None and self.agg != default_agg and loss_accepts is not None and "agg" not in loss_accepts:
+            # update passes a loss only the keywords it declares: the policy term kept the loss's own
+            # aggregation while the KL and entropy terms took this one, without a word
+            shown = getattr(loss_fn, "__name__", repr(loss_fn))
+            agg = self.agg if isinstance(self.agg, str) else getattr(self.agg, "__name__", repr(self.agg))
+            raise ValueError(f"{name}: agg={agg!r} cannot reach the policy loss {shown!r}, which has no 'agg' parameter (nor "
+                             f"**kwargs): its own aggregation would be used while the KL and entropy terms used {agg!r}. Add an "
+                             f"'agg' parameter to {shown} (update passes it by keyword; rk.algos.aggregate(loss_mat, mask, agg, ...) "
+                             f"applies it), or drop agg (agg={default_agg!r})")
         from rlkit.transforms.rollout import ENGINES
 
         if self.engine is not None and not (self.engine in ENGINES if isinstance(self.engine, str) else callable(getattr(self.engine, "generate", None))):
@@ -144,13 +154,38 @@ class Recipe:
 
     def update_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of this recipe's :func:`rlkit.update`. Under the
-        ``"seq-mean-token-sum-norm"`` aggregation (Dr. GRPO) ``horizon`` is ``max_new_tokens``, the
+        ``"seq-mean-token-sum-norm"`` aggregation (Dr. GRPO), given by name or as the function
+        (``rk.algos.losses.seq_mean_token_sum_norm``), ``horizon`` is ``max_new_tokens``, the
         longest response the rollout can return: a constant normaliser, where the update's default
-        (each batch's padded width) changed the loss scale with the longest response of the batch."""
-        horizon = self.max_new_tokens if self.agg == "seq-mean-token-sum-norm" else None
-        return dict(loss=self.loss, loss_kw=self.loss_kw, agg=self.agg, horizon=horizon, kl=self.kl, entropy_coef=self.entropy_coef,
+        (each batch's padded width) changed the loss scale with the longest response of the batch.
+        An aggregation of your own that takes ``horizon`` (or ``**kwargs``) gets the same constant."""
+        return dict(loss=self.loss, loss_kw=self.loss_kw, agg=self.agg, horizon=self._horizon(), kl=self.kl, entropy_coef=self.entropy_coef,
                     temperature=self.temperature, mini_batch_size=self.mini_batch_size,
                     micro_batch_size=self.micro_batch_size, epochs=self.epochs, max_grad_norm=self.max_grad_norm)
+
+    def _horizon(self) -> int | None:
+        """``max_new_tokens`` for an aggregation that reads ``horizon``, else None (the update's default).
+
+        Decided on the function the name resolves to (``AGGREGATIONS.get``), so the name, an alias
+        and the function object agree: the function used to get the batch's width, a loss scale
+        that changed with padding (by ``max_new_tokens / width``)."""
+        if self.agg is None:
+            return None
+        import inspect
+
+        from rlkit.algos import AGGREGATIONS, losses
+
+        fn = AGGREGATIONS.get(self.agg)
+        if fn is losses.seq_mean_token_sum_norm:
+            return self.max_new_tokens
+        if fn in (losses.token_mean, losses.seq_mean_token_sum, losses.seq_mean_token_mean):
+            return None  # built-ins that ignore horizon: the update's default, as before
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):  # a builtin or C callable without a signature
+            return None
+        takes = "horizon" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        return self.max_new_tokens if takes else None
 
     def needs_ref(self) -> bool:
         return bool(self.kl and self.kl[1])

@@ -2,11 +2,17 @@
 
 - clip-higher: asymmetric ratio clip [1 - 0.2, 1 + 0.28];
 - dynamic sampling: groups whose rewards all agree (zero variance, zero GRPO advantage) are
-  dropped and more prompts are sampled until the batch is full (or ``max_attempts`` run out: a
-  short batch trains in whole mini-batches of ``mini_batch_size``, the rest of its rows dropped
-  and counted in ``dapo/dropped_rows``);
+  dropped, judged on the reward functions' rewards before the overlong penalty (the paper's
+  ``0 < #correct < G``), and more prompts are sampled until the batch is full (or
+  ``max_attempts`` run out: a short batch trains in whole mini-batches of ``mini_batch_size``,
+  the rest of its rows dropped and counted in ``dapo/dropped_rows``);
 - overlong reward shaping: a linear penalty in the last ``overlong_buffer`` tokens before
-  ``max_new_tokens``.
+  ``max_new_tokens``, added to the rewards of the groups kept (their advantages). Keep the
+  buffer within the lengths no good answer reaches: with ``max_new_tokens`` close to the
+  longest answer, the default of 4 penalises right answers too.
+
+The reported ``reward/*`` metrics are the first rollout's rewards before the penalty
+(``dapo/overlong_penalty_mean`` is the penalty's mean over that rollout).
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import torch
 
 from rlkit._checks import int_at_least, is_real
 from rlkit.recipes.base import Recipe, group_reward_range, reward_metrics
+from rlkit.batch import shallow_copy
 from rlkit.state import fold_in
 from rlkit.transforms.advantage import advantage
 from rlkit.transforms.rollout import concat, rollout_metrics
@@ -31,9 +38,15 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: f
     return (-(lengths.float() - expected) / max(buffer, 1) * factor).clamp(max=0.0)
 
 
-def keep_informative_groups(batch):
-    """Rows of groups whose rewards are not all equal (the rest carry no GRPO signal)."""
-    group, rewards = batch["group"], batch["rewards"]
+def keep_informative_groups(batch, rewards: torch.Tensor | None = None):
+    """Rows of groups whose rewards are not all equal (the rest carry no GRPO signal).
+
+    ``rewards (b)``: the rewards to compare, by default ``batch["rewards"]``. :class:`DAPO` gives
+    the verifier's rewards from before the overlong penalty: the paper keeps the groups with
+    ``0 < #correct < G`` (arXiv:2503.14476, eq. 11), so a group whose answers all agree but whose
+    lengths differ is dropped, not trained on the length penalty alone."""
+    group = batch["group"]
+    rewards = batch["rewards"] if rewards is None else rewards
     _, inverse = torch.unique(group, return_inverse=True)
     lo, hi = group_reward_range(inverse, int(inverse.max()) + 1, rewards)
     keep = (hi - lo > 1e-9)[inverse]
@@ -72,13 +85,22 @@ class DAPO(Recipe):
         while attempts < self.max_attempts and sum(b.batch_size[0] for b in kept) < target:
             seed = fold_in(state.seed, state.step, "dapo", attempts)
             batch = self.score(state, self.sample(state, prompts, seed=seed), reward)
+            verifier = batch["rewards"]  # the reward functions' sum, before the overlong penalty
+            if attempts == 0:
+                # its rollout and reward metrics are reported: the verifier's reward, as the other
+                # recipes report theirs (and reward/zero_var_groups is the fraction the filter drops)
+                first = shallow_copy(batch)
+                penalty_mean = 0.0
             if self.overlong_buffer:
                 pen = overlong_penalty(batch["response_mask"].sum(-1), self.max_new_tokens, self.overlong_buffer, self.overlong_factor)
-                batch.set("rewards", batch["rewards"] + pen)
-            if attempts == 0:
-                first = batch  # its rollout and reward metrics are reported
+                batch.set("rewards", verifier + pen)  # shapes the advantages of the groups kept
+                if attempts == 0:
+                    penalty_mean = float(pen.mean())
             sampled += batch.batch_size[0]
-            informative = keep_informative_groups(batch)
+            # dynamic sampling on the verifier's reward (the paper's 0 < #correct < G): filtering on the
+            # penalised reward kept groups whose answers all agreed but whose lengths differed, and
+            # trained them on the length penalty alone
+            informative = keep_informative_groups(batch, verifier)
             if informative.batch_size[0]:
                 kept.append(informative)
             attempts += 1
@@ -100,5 +122,6 @@ class DAPO(Recipe):
             batch = batch[: batch.batch_size[0] // dp.size * dp.size]
         state, metrics = update(state, batch, **{**self.update_kwargs(), "mini_batch_size": mini if mini and mini <= batch.batch_size[0] else None})
         extra = {"dapo/kept_frac": batch.batch_size[0] / max(sampled, 1), "dapo/attempts": float(attempts),
+                 "dapo/overlong_penalty_mean": penalty_mean,
                  "dapo/trained_rows": float(batch.batch_size[0]), "dapo/dropped_rows": float(rows - batch.batch_size[0])}
         return state, {**rollout_metrics(first), **reward_metrics(first), **metrics, **extra}

@@ -78,6 +78,31 @@ def token_rewards_of(batch: Batch) -> torch.Tensor:
     return sequence_to_token_rewards(batch["rewards"], batch["response_mask"])
 
 
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} ({', '.join(_describe(v) for v in value[:4])}{', ...' if len(value) > 4 else ''})"
+    return f"a {type(value).__name__}"
+
+
+def _checked_output(result, fn: Callable, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The estimator's ``(advantages, returns)``, each a tensor of the response mask's shape
+    ``(b t)``. One tensor returned used to be unpacked along its rows: "too many values to unpack",
+    or for b = 2 rows a complaint about an advantages shape (t,); a ``returns`` of another shape was
+    stored unchecked and refused only later, far from the estimator."""
+    name = getattr(fn, "__name__", repr(fn))
+    contract = f"(advantages, returns): two tensors of the response mask's shape (b t) = {shape}"
+    if not (isinstance(result, (tuple, list)) and len(result) == 2 and all(isinstance(x, torch.Tensor) for x in result)):
+        hint = " (return the advantages twice, `return adv, adv`, when there is no separate return)" if isinstance(result, torch.Tensor) else ""
+        raise TypeError(f"advantage estimator {name!r} returned {_describe(result)}; it must return {contract}{hint}")
+    for what, value in zip(("advantages", "returns"), result):
+        if tuple(value.shape) != shape:
+            raise BatchError(f"advantage estimator {name!r} returned {what} of shape {tuple(value.shape)}; it must return "
+                             f"{contract}")
+    return result[0], result[1]
+
+
 def advantage(batch: Batch, estimator: str | Callable = "grpo", **kw) -> Batch:
     """Estimate advantages; returns a new Batch with ``advantages`` and ``returns`` set (the input
     is not modified)."""
@@ -122,9 +147,7 @@ def advantage(batch: Batch, estimator: str | Callable = "grpo", **kw) -> Batch:
     if unknown:
         hyper = [n for n in params if n not in BATCH_INPUTS]
         raise TypeError(f"advantage estimator {getattr(fn, '__name__', fn)!r} has no option(s) {sorted(unknown)}; its options: {hyper}")
-    advantages, returns = fn(**inputs, **kw)
-    if advantages.shape != batch["response_mask"].shape:
-        raise BatchError(f"estimator returned advantages of shape {tuple(advantages.shape)}, expected (b t) = {tuple(batch['response_mask'].shape)}")
+    advantages, returns = _checked_output(fn(**inputs, **kw), fn, tuple(batch["response_mask"].shape))
     out = shallow_copy(batch)
     out.set("advantages", advantages.to(torch.float32))
     out.set("returns", returns.to(torch.float32))
