@@ -20,6 +20,8 @@ returns             (b t)     f32    value targets
 group               (b)       long   which prompt a response belongs to (equal id = same prompt)
 truncated           (b)       bool   response hit max_new_tokens without a stop token
 policy_version      (b)       long   version of the weights that sampled the row
+temperature         (b)       f32    temperature the row's ``logprobs`` are at (1.0: greedy)
+logprobs_filtered   (b)       bool   ``logprobs`` are of a top-k/top-p filtered distribution
 ==================  ========  =====  =========================================================
 
 Non-tensor columns (``prompt_text``, ``response_text`` and any per-prompt data such as
@@ -57,6 +59,8 @@ FIELDS: dict[str, tuple[int, str]] = {
     "group": (1, "int"),
     "truncated": (1, "bool"),
     "policy_version": (1, "int"),
+    "temperature": (1, "float"),
+    "logprobs_filtered": (1, "bool"),
 }
 RESPONSE_ALIGNED = {k for k, (rank, _) in FIELDS.items() if rank == 2 and not k.startswith("prompt")}
 TEXT_FIELDS = ("prompt_text", "response_text")

@@ -25,15 +25,59 @@ class DataError(ValueError):
     """Bad prompt data; the message names the row and the field."""
 
 
+def _is_array(x: Any) -> bool:
+    """A torch tensor or a numpy array (numpy not imported)."""
+    return isinstance(x, torch.Tensor) or (type(x).__module__ == "numpy" and type(x).__name__ == "ndarray")
+
+
+#: the end of the errors about token-id rows given where prompts (text or chat) are read
+_IDS_HINT = ("; it looks like token ids: prompts already tokenized go in rk.Prompts(texts, ids) (ids: lists of ints, or "
+             "1-d integer tensors or numpy arrays), which rollout takes as they are")
+
+
+def _id_rows(ids: Any, where: str) -> Any:
+    """``ids`` with every tensor / numpy-array row as a list of Python ints (what a tokenizer's
+    ``return_tensors=`` gives, and what :func:`rlkit.make_batch` takes). Such rows failed in
+    ``rollout`` with "Boolean value of Tensor ... is ambiguous", and a one-token ``tensor([0])`` was
+    reported as empty. A 2-d integer tensor or array is its rows. Rows of another kind (lists)
+    are left as they are."""
+    if _is_array(ids):
+        kind = ids.dtype.kind if not isinstance(ids, torch.Tensor) else None
+        integral = kind in ("i", "u") if kind is not None else not (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool)
+        if not integral or ids.ndim != 2:
+            raise DataError(f"{where}: ids is a {ids.ndim}-d {ids.dtype} {type(ids).__name__}; give a list of rows of integer token ids "
+                            "(or a 2-d integer tensor, one row per prompt)")
+        return ids.tolist()
+    if all(type(row) is list for row in ids):
+        return ids  # the usual case: nothing to convert
+    rows = list(ids)
+    for i, row in enumerate(rows):
+        if not _is_array(row):
+            continue
+        if isinstance(row, torch.Tensor):
+            integral = not (row.dtype.is_floating_point or row.dtype.is_complex or row.dtype == torch.bool)
+        else:
+            integral = row.dtype.kind in ("i", "u")
+        if not integral or row.ndim != 1:
+            raise DataError(f"{where}: ids row {i} is a {row.ndim}-d {row.dtype} {type(row).__name__}; a row of token ids "
+                            "must be a list of ints, or a 1-d integer tensor or numpy array (e.g. tokenizer(text)['input_ids'])")
+        rows[i] = [int(t) for t in row.tolist()]
+    return rows
+
+
 @dataclass(frozen=True)
 class Prompts:
-    """One batch of prompts: ``text[i]``, ``ids[i]`` (unpadded token ids), ``columns[name][i]``."""
+    """One batch of prompts: ``text[i]``, ``ids[i]`` (unpadded token ids), ``columns[name][i]``.
+
+    An ``ids`` row may be a list of ints, or a 1-d integer tensor or numpy array (converted to a
+    list); ``ids`` may be a 2-d integer tensor (one row per prompt)."""
 
     text: list[str]
     ids: list[list[int]]
     columns: dict[str, list[Any]] = field(default_factory=dict)
 
     def __post_init__(self):
+        object.__setattr__(self, "ids", _id_rows(self.ids, "Prompts"))
         n = len(self.ids)
         bad = {name: len(v) for name, v in [("text", self.text), *((f"columns[{k!r}]", v) for k, v in self.columns.items())] if len(v) != n}
         if bad:
@@ -198,7 +242,7 @@ def _rows(source: Any, prompt_key: str) -> tuple[list[Any], list[str] | None]:
         if not isinstance(item, (str, list, Mapping)):
             raise DataError(f"load_prompts got a {type(source).__name__} whose item {n} is a {type(item).__name__} "
                             f"({item!r:.60}); rows must be strings, chat conversations or dicts with a {prompt_key!r} key: "
-                            f"give {SOURCES}")
+                            f"give {SOURCES}" + (_IDS_HINT if _is_array(item) else ""))
         rows.append(_as_row(item, prompt_key))
     return rows, None
 
@@ -211,17 +255,38 @@ class PromptSet:
     ids: list[list[int]]
     columns: dict[str, list[Any]]
 
+    def __post_init__(self):
+        self.ids = _id_rows(self.ids, "PromptSet")  # tensor / numpy rows as lists, as Prompts takes them
+
     def __len__(self) -> int:
         return len(self.ids)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # without the cached epoch order (len(self) int64s), which is rebuilt on demand
+        return {k: v for k, v in self.__dict__.items() if k != "_order_cache"}
 
     def take(self, index: Sequence[int]) -> Prompts:
         return Prompts([self.text[i] for i in index], [self.ids[i] for i in index], {k: [v[i] for i in index] for k, v in self.columns.items()})
 
     def order(self, epoch: int, seed: int, shuffle: bool = True) -> list[int]:
+        """The prompt indices of epoch ``epoch`` in order (a permutation fixed by ``(seed, epoch)``)."""
         if not shuffle:
             return list(range(len(self)))
+        return self._permutation(epoch, seed).tolist()
+
+    def _permutation(self, epoch: int, seed: int) -> torch.Tensor:
+        """The shuffled order of ``epoch`` as a tensor, cached for the current ``(seed, epoch)``:
+        :meth:`batch_at` runs every step, and rebuilding the permutation (and a list of every index)
+        each time cost O(len) per step (50-80 ms with a million prompts), for an order that only
+        changes once per epoch."""
+        key = (seed, epoch, len(self))
+        cached = self.__dict__.get("_order_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
         g = torch.Generator().manual_seed(hash((seed, epoch)) & 0x7FFFFFFF)
-        return torch.randperm(len(self), generator=g).tolist()
+        perm = torch.randperm(len(self), generator=g)
+        self.__dict__["_order_cache"] = (key, perm)  # one assignment: a reader sees the key with its order
+        return perm
 
     def batch_at(self, position: int, batch_size: int, *, seed: int = 0, shuffle: bool = True) -> Prompts:
         """The ``position``-th batch of the endless epoch-by-epoch stream (drop_last per epoch)."""
@@ -231,8 +296,9 @@ class PromptSet:
         if per_epoch == 0:
             raise DataError(f"batch_size={batch_size} is larger than the prompt set ({len(self)} prompts); lower batch_size")
         epoch, k = divmod(position, per_epoch)
-        order = self.order(epoch, seed, shuffle)
-        return self.take(order[k * batch_size : (k + 1) * batch_size])
+        if not shuffle:
+            return self.take(range(k * batch_size, (k + 1) * batch_size))
+        return self.take(self._permutation(epoch, seed)[k * batch_size : (k + 1) * batch_size].tolist())
 
     def batches(self, batch_size: int, steps: int, *, seed: int = 0, start: int = 0, shuffle: bool = True) -> Iterator[Prompts]:
         """The batches at stream positions ``start`` .. ``steps - 1``: ``steps`` is the whole run's
@@ -312,6 +378,7 @@ def load_prompts(
                     f"{{'role': ..., 'content': ...}} messages, but "
                     + (f"message {bad} is {value[bad]!r:.60}" if value else "it is empty")
                     + "; give the prompt as text, or as messages with 'role' and 'content'"
+                    + (_IDS_HINT if value and all(type(t) is int for t in value) else "")
                 )
         tok = _encode(tokenizer, value, chat)
         if getattr(tokenizer, "unk_token_id", None) in tok:

@@ -29,7 +29,8 @@ def evaluate(
     colocated ranks generates with its rollout engine, so call it on every rank). ``prompts``: a PromptSet, a Prompts batch, or
     anything :func:`rlkit.load_prompts` reads. ``engine``: None (the built-in
     :class:`rlkit.engines.TorchEngine`), an engine name as :func:`rlkit.rollout` takes it ("torch",
-    "hf", "vllm"), or an Engine object."""
+    "hf", "vllm"), or an Engine object. Responses stop where :func:`rlkit.rollout`'s do by default:
+    at the tokenizer's EOS and at the model's ``generation_config`` eos ids."""
     from rlkit.engines.torch_engine import TorchEngine
     from rlkit.transforms.score import score
     from rlkit.transforms.rollout import batch_from_generation as from_generation
@@ -72,8 +73,11 @@ def evaluate(
     else:
         raise TypeError(f"evaluate: engine must be None (the built-in engine), a name ('torch', 'hf', 'vllm') or an "
                         f"Engine, got {type(engine).__name__}")
+    from rlkit.transforms.rollout import default_stop_token_ids
+
+    # the stop ids rollout uses: the tokenizer's EOS and the model's generation_config eos ids
     params = SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=temperature,
-                            stop_token_ids=(tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
+                            stop_token_ids=default_stop_token_ids(tokenizer, model))
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     total, count, lengths = 0.0, 0, 0.0
     was_training = model.training

@@ -53,6 +53,14 @@ def fit(
     and the in-memory sinks drop what they logged for later steps, which this run redoes, so a
     metrics file has each step once, in order.
 
+    Before the first step every prompt of the set is checked against the model's context (its
+    tokens plus the recipe's ``max_new_tokens``): a ``ValueError`` names the prompt-set rows that
+    do not fit, where the rollout of their batch would have failed steps later.
+
+    ``recipe.step`` returns ``(state, metrics)``, the TrainState first; anything else (the two
+    swapped, the metrics alone) is a ``TypeError`` naming the step (its ``exc.state`` is the state
+    it returned, if any).
+
     Nothing is lost when the run stops early: an exception leaving ``fit`` (an error in a reward
     or ``eval_fn``, or Ctrl-C) carries the latest state and the history so far as ``exc.state``
     and ``exc.history`` (the state passed in was donated to the first update).
@@ -70,6 +78,8 @@ def fit(
             raise TypeError(f"prompts is a {type(prompts).__name__} and the state has no tokenizer to read it with; "
                             "pass rk.load_prompts(prompts, tokenizer), or rk.init(..., tokenizer=...)")
         prompts = load_prompts(prompts, state.tokenizer)
+    if state.step < steps:
+        _check_prompt_lengths(state, recipe, prompts)
     position = _data_position(state, prompts, batch_size)
     if state.step > 0:
         rewind_all(sinks, state.step)
@@ -80,7 +90,7 @@ def fit(
             while state.step < steps:
                 batch_prompts = prompts.batch_at(position, batch_size, seed=state.seed, shuffle=shuffle)
                 t0 = time.perf_counter()
-                state, metrics = recipe.step(state, batch_prompts, reward)
+                state, metrics = _checked_step_output(recipe.step(state, batch_prompts, reward), recipe)
                 position += 1
                 extras = state.extras
                 if extras.get(BATCH_SIZE_KEY) != batch_size:
@@ -99,9 +109,76 @@ def fit(
             if history and checkpointer is not None and callable(getattr(checkpointer, "save_final", None)):
                 checkpointer.save_final(state)
     except BaseException as exc:  # noqa: BLE001 - re-raised; only annotated
+        if isinstance(exc, StepReturnError) and exc.returned_state is not None:
+            state = exc.returned_state  # the step's update donated the state passed in: this is the latest one
         _attach_progress(exc, state, history)
         raise
     return state, history
+
+
+class StepReturnError(TypeError):
+    """The recipe's step returned something other than ``(state, metrics)``; ``returned_state`` is the
+    TrainState it returned, if any (the one passed in was donated to its update)."""
+
+    def __init__(self, message: str, state=None):
+        super().__init__(message)
+        self.returned_state = state
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(type(v).__name__ for v in value[:4]) + (", ..." if len(value) > 4 else "")
+        return f"a {type(value).__name__} ({inner})"
+    return f"a {type(value).__name__}"
+
+
+def _checked_step_output(result: Any, recipe):
+    """``recipe.step``'s ``(state, metrics)``, checked: a step returning ``(metrics, state)`` (or
+    the metrics alone) failed further on with "'dict' object has no attribute 'extras'", naming
+    neither the step nor what it must return. The metrics are returned as a dict (fit adds its
+    timings to them)."""
+    from rlkit.state import TrainState
+
+    if isinstance(result, (tuple, list)) and len(result) == 2:
+        new_state, metrics = result
+        if isinstance(new_state, TrainState) and isinstance(metrics, Mapping):
+            return new_state, metrics if isinstance(metrics, dict) else dict(metrics)
+    name = f"{type(recipe).__name__}.step"
+    returned = next((x for x in (result if isinstance(result, (tuple, list)) else (result,)) if isinstance(x, TrainState)), None)
+    swapped = (isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[1], TrainState)
+               and isinstance(result[0], Mapping))
+    hint = " (the two are swapped: `return state, metrics`)" if swapped else ""
+    raise StepReturnError(
+        f"fit: {name} returned {_describe(result)}; a step must return (state, metrics): the TrainState after its update "
+        f"(rk.update returns it first) and a dict of float metrics{hint}", returned)
+
+
+def _check_prompt_lengths(state, recipe, prompts) -> None:
+    """Refuse, before the first step, a prompt set holding a prompt that does not fit the actor's
+    context with the recipe's ``max_new_tokens``: ``rollout`` found it only when its batch came up
+    (many steps in) and named its row within the batch ("prompt 0"), not in the prompt set. A
+    recipe without an int ``max_new_tokens`` (a custom one) is checked for the prompts alone."""
+    from rlkit._checks import context_limit, is_int
+
+    limit = context_limit(state.actor)
+    ids = getattr(prompts, "ids", None)
+    if limit is None or not ids:
+        return
+    new = getattr(recipe, "max_new_tokens", None)
+    new = new if is_int(new) and new > 0 else 0
+    lengths = [len(row) for row in ids]
+    over = [i for i, n in enumerate(lengths) if n + new > limit]
+    if not over:
+        return
+    i = max(over, key=lambda k: (lengths[k], -k))  # the longest; the first of equal ones
+    shown = over[:10]
+    rows = ", ".join(map(str, shown)) + (f", ... ({len(over)} in all)" if len(over) > len(shown) else "")
+    with_new = f" and with max_new_tokens={new} needs {lengths[i] + new} positions," if new else ","
+    raise ValueError(
+        f"fit: prompt row {i} of the prompt set has {lengths[i]} tokens{with_new} over the model's context of "
+        f"{limit} tokens (max_position_embeddings); rows that do not fit: {rows}. Shorten or drop those prompts, lower the "
+        "recipe's max_new_tokens, or load the prompts with rk.load_prompts(..., max_prompt_tokens=..., truncate=True)"
+    )
 
 
 def _data_position(state, prompts, batch_size: int) -> int:

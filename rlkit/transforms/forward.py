@@ -4,6 +4,9 @@ Each runs in micro-batches under ``torch.no_grad`` and returns a new Batch.
 """
 from __future__ import annotations
 
+import math
+import warnings
+
 import torch
 
 from rlkit._checks import check_token_ids
@@ -86,8 +89,81 @@ def model_logprobs(model, batch: Batch, *, temperature: float = 1.0, micro_batch
     return lp, (torch.cat(out_ent) if with_entropy else None)
 
 
-def compute_old_logprobs(state, batch: Batch, *, temperature: float = 1.0, micro_batch_size: int | None = None) -> Batch:
-    """Add ``old_logprobs``: the actor's log-probs before the update (verl's recompute)."""
+#: the per-row float field recording the temperature a row's ``logprobs`` are at (set by rollout)
+TEMPERATURE = "temperature"
+
+
+def _float32(x: float) -> float:
+    """``x`` rounded to float32, as the ``temperature`` column stores it."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def _shortest(v: float) -> float:
+    """The shortest decimal that rounds to the float32 ``v`` (0.6, not 0.6000000238418579): the
+    temperature the rollout was given, so the trainer divides its logits by the same number."""
+    for digits in range(1, 10):
+        candidate = float(f"{v:.{digits}g}")
+        if _float32(candidate) == v:
+            return candidate
+    return v
+
+
+def recorded_temperatures(batch: Batch) -> list[float]:
+    """The distinct temperatures of the batch's ``temperature`` column (sorted), the temperatures its
+    rows' ``logprobs`` are at; ``[]`` when the batch has no such column (built with ``make_batch``)."""
+    if TEMPERATURE not in batch.keys():
+        return []
+    column = batch.get(TEMPERATURE)
+    if not isinstance(column, torch.Tensor) or column.numel() == 0:
+        return []
+    return [_shortest(v) for v in torch.unique(column.detach().float().cpu()).tolist()]
+
+
+def resolve_temperature(batch: Batch, temperature: float | None, where: str, *, mismatch: str, stacklevel: int = 3) -> float:
+    """The temperature a pass over ``batch`` computes its log-probs at.
+
+    ``temperature=None``: the batch's recorded one (its ``temperature`` column, which
+    :func:`rlkit.rollout` sets; every row must agree, else a ``ValueError`` naming the values asks for
+    an explicit temperature), or 1.0 when the batch has no such column. An explicit temperature is
+    used as given; one that differs from the recorded one warns (``RuntimeWarning`` naming both,
+    followed by ``mismatch``: what goes wrong)."""
+    recorded = recorded_temperatures(batch)
+    if temperature is None:
+        if len(recorded) > 1:
+            raise ValueError(
+                f"{where}: the batch's rows were sampled at different temperatures {recorded} (its 'temperature' column), "
+                "so its log-probs are at no one temperature; pass temperature=... explicitly (the temperature the "
+                "log-probs should be computed at), or process the rows of each temperature separately"
+            )
+        return recorded[0] if recorded else 1.0
+    try:
+        given = _float32(float(temperature))
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        return temperature  # not a number: refused where it is used, as before
+    other = [t for t in recorded if _float32(t) != given and not (math.isnan(given) and math.isnan(t))]
+    if other:
+        shown = recorded[0] if len(recorded) == 1 else recorded
+        warnings.warn(
+            f"{where}: temperature={temperature} but the batch's log-probs were sampled at temperature {shown} (its "
+            f"'temperature' column, recorded by rk.rollout); {mismatch}. Leave temperature=None to use the batch's",
+            RuntimeWarning, stacklevel=stacklevel,
+        )
+    return temperature
+
+
+def compute_old_logprobs(state, batch: Batch, *, temperature: float | None = None, micro_batch_size: int | None = None) -> Batch:
+    """Add ``old_logprobs``: the actor's log-probs before the update (verl's recompute).
+
+    ``temperature``: None (the default) computes them at the temperature the batch's log-probs were
+    sampled at (its ``temperature`` column, which :func:`rlkit.rollout` records; 1.0 for a batch
+    without one), as :func:`rlkit.update` does by default, so the ratio is 1 on-policy. A batch
+    whose rows were sampled at different temperatures needs an explicit one (``ValueError``); an
+    explicit temperature that differs from the recorded one warns (``RuntimeWarning``)."""
+    temperature = resolve_temperature(
+        batch, temperature, "rk.compute_old_logprobs",
+        mismatch="the old log-probs will be at another temperature than the policy that sampled the rows, so the "
+                 "update's ratio will not be 1 on-policy",
+    )
     module = state._cache.get("actor_module", state.actor)
     with torch.profiler.record_function("rlkit.old_logprobs"):  # names the range in a profiler trace
         lp = _sharded_map(state, batch, lambda rows: model_logprobs(module, rows, temperature=temperature, micro_batch_size=micro_batch_size)[0])
@@ -96,10 +172,19 @@ def compute_old_logprobs(state, batch: Batch, *, temperature: float = 1.0, micro
     return out
 
 
-def compute_ref_logprobs(state, batch: Batch, *, temperature: float = 1.0, micro_batch_size: int | None = None) -> Batch:
-    """Add ``ref_logprobs`` from the frozen reference model (``rk.init(..., ref="copy")``)."""
+def compute_ref_logprobs(state, batch: Batch, *, temperature: float | None = None, micro_batch_size: int | None = None) -> Batch:
+    """Add ``ref_logprobs`` from the frozen reference model (``rk.init(..., ref="copy")``).
+
+    ``temperature``: None (the default) is the batch's recorded sampling temperature (its
+    ``temperature`` column; 1.0 without one), the one :func:`rlkit.update` computes the policy's
+    log-probs at by default; see :func:`compute_old_logprobs`."""
     if state.ref is None:
         raise ValueError("state has no reference model; create it with rk.init(model, ref='copy') or drop the KL penalty")
+    temperature = resolve_temperature(
+        batch, temperature, "rk.compute_ref_logprobs",
+        mismatch="the reference log-probs will be at another temperature than the policy's, which the update computes "
+                 "at the batch's temperature by default, so the KL penalty compares distributions at different temperatures",
+    )
     module = state._cache.get("ref_module", state.ref)
     with torch.profiler.record_function("rlkit.ref_logprobs"):
         lp = _sharded_map(state, batch, lambda rows: model_logprobs(module, rows, temperature=temperature, micro_batch_size=micro_batch_size)[0])

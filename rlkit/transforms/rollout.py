@@ -20,6 +20,7 @@ from rlkit.batch import Batch, row_tokens, set_column, shallow_copy
 from rlkit.data import Prompts, as_prompts
 from rlkit.engines.base import Engine, SamplingParams
 from rlkit.state import TrainState, fold_in, generator
+from rlkit.transforms.forward import TEMPERATURE  # the per-row float field of the temperature the logprobs are at
 
 ENGINES = ("torch", "hf", "vllm")
 
@@ -112,8 +113,25 @@ def rollout(
 
     ``engine``: None (the built-in :class:`rlkit.engines.TorchEngine`), a name ("torch", "hf",
     "vllm") or an Engine object. A named engine is built once and kept with the state while calls
-    keep naming it; ``stop_token_ids``: ids (a list, a tensor or one int) that end a response,
-    by default the tokenizer's EOS.
+    keep naming it.
+
+    ``stop_token_ids``: ids (a list, a tensor or one int) that end a response, used as given.
+    None (the default): the tokenizer's ``eos_token_id`` followed by the actor's
+    ``generation_config.eos_token_id`` (an int or a list), de-duplicated, so a checkpoint whose
+    end-of-turn token is only in its generation config (Llama-3-Instruct's ``<|eot_id|>``) stops
+    there, as ``model.generate`` does. Every engine receives them as ``SamplingParams.stop_token_ids``.
+
+    ``logprobs`` are the behaviour log-probs the engine sampled with: with ``top_k > 0`` or
+    ``top_p < 1`` those of the *filtered* distribution, ``log softmax(top_p(top_k(logits / T)))``.
+    Such a batch also carries ``logprobs_filtered (b)`` (bool, True on those rows; absent when no
+    filter was asked for); :func:`rlkit.update` then recomputes the old-policy log-probs of those
+    rows with the trainer (its ratio is 1 before its first step) instead of using the filtered ones,
+    and leaves them out of its train-vs-rollout gap.
+
+    The batch records the temperature its ``logprobs`` are at as ``temperature (b)`` (float32; 1.0
+    for greedy decoding, ``temperature=0``, whose log-probs are the plain log-softmax):
+    :func:`rlkit.compute_old_logprobs`, :func:`rlkit.compute_ref_logprobs` and :func:`rlkit.update`
+    compute theirs at it unless given a temperature.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"rollout expects a TrainState first (from rk.init), got {type(state).__name__}")
@@ -125,8 +143,7 @@ def rollout(
         if not ids:
             raise ValueError(f"prompt {i} tokenized to zero tokens ({prompts.text[i]!r}); give non-empty prompts")
     if stop_token_ids is None:
-        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-        stop_token_ids = () if eos is None else (eos,)
+        stop_token_ids = default_stop_token_ids(tokenizer, state.actor)
     elif isinstance(stop_token_ids, torch.Tensor):
         stop_token_ids = stop_token_ids.reshape(-1).tolist()
     elif is_int(stop_token_ids):  # one id (tokenizer.eos_token_id): tuple() of it was a TypeError
@@ -157,6 +174,30 @@ def rollout(
     return _with_metrics(batch, seconds, {**sync, **engine_metrics})
 
 
+def _eos_ids(value: Any) -> list[int]:
+    """The token ids of an ``eos_token_id`` setting (None, an int, or a list/tuple/tensor of them);
+    anything else (a negative id, text) is not an id and is left out."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        value = value.reshape(-1).tolist()
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    return [int(v) for v in values if is_int(v) and v >= 0]
+
+
+def default_stop_token_ids(tokenizer, model) -> tuple[int, ...]:
+    """``rollout``'s default stop ids: the tokenizer's EOS, then the ids of ``model``'s
+    ``generation_config.eos_token_id`` (an int or a list: Llama-3-Instruct lists ``<|eot_id|>``
+    there, not as the tokenizer's EOS), de-duplicated in that order."""
+    ids = _eos_ids(getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None)
+    for m in (model, getattr(model, "_orig_mod", None)):  # torch.compile's wrapper forwards attributes, but not every wrapper does
+        config = getattr(m, "generation_config", None) if m is not None else None
+        if config is not None:
+            ids += _eos_ids(getattr(config, "eos_token_id", None))
+            break
+    return tuple(dict.fromkeys(ids))
+
+
 def _sample_share(state: TrainState, eng: Engine, prompts: Prompts, params: SamplingParams, key: int, dp, decode: bool):
     """Sample this generation replica's contiguous share of the prompts (whole groups) and gather
     every replica's rows into one Batch; returns ``(batch, seconds, engine metrics)``."""
@@ -177,7 +218,8 @@ def _sample_share(state: TrainState, eng: Engine, prompts: Prompts, params: Samp
     if state._cache.get("release_engine") and hasattr(eng, "release"):
         eng.release()  # colocated roles take turns: training gets the KV-cache memory back
     with torch.profiler.record_function("rlkit.rollout.batch"):
-        batch = batch_from_generation(prompts, out, state.tokenizer, policy_version=state.policy_version, decode=decode)
+        batch = batch_from_generation(prompts, out, state.tokenizer, policy_version=state.policy_version, decode=decode,
+                                      filtered=is_filtered(params), temperature=params.temperature)
     if dp is not None and dp.size > 1:
         from rlkit.parallel.placement import gather_rows
 
@@ -203,8 +245,26 @@ def _with_metrics(batch: Batch, seconds: float, extra: dict[str, float]) -> Batc
     return batch
 
 
-def batch_from_generation(prompts: Prompts, out, tokenizer, *, policy_version: int = 0, decode: bool = True) -> Batch:
-    """Turn an engine's :class:`Generation` for ``prompts`` into a Batch (prompt-major rows)."""
+#: the per-row bool field marking rows whose ``logprobs`` are of a top-k/top-p filtered distribution
+FILTERED = "logprobs_filtered"
+
+
+def is_filtered(params: SamplingParams) -> bool:
+    """Whether ``params`` sample from a filtered distribution (top-k or top-p): the engine's
+    log-probs are then of ``log softmax(top_p(top_k(logits / T)))``, not of the policy the trainer
+    computes (``log softmax(logits / T)``). Greedy decoding (``temperature == 0``) reports the
+    plain log-softmax whatever the filters (:class:`rlkit.engines.base.Generation`)."""
+    return params.temperature > 0 and (params.top_k > 0 or params.top_p < 1)
+
+
+def batch_from_generation(prompts: Prompts, out, tokenizer, *, policy_version: int = 0, decode: bool = True,
+                          filtered: bool = False, temperature: float | None = None) -> Batch:
+    """Turn an engine's :class:`Generation` for ``prompts`` into a Batch (prompt-major rows).
+
+    ``filtered``: the engine sampled with top-k/top-p (:func:`is_filtered`); the Batch then has a
+    ``logprobs_filtered`` field, True on every row. ``temperature``: the sampling temperature; the
+    Batch then has a ``temperature`` field (float32), the temperature of its ``logprobs`` on every
+    row: 1.0 for greedy decoding (0), whose log-probs are temperature-1 (None: no such field)."""
     from rlkit.batch import _pad_left
 
     index = out.prompt_index.cpu()
@@ -231,6 +291,10 @@ def batch_from_generation(prompts: Prompts, out, tokenizer, *, policy_version: i
         },
         batch_size=[b],
     )
+    if filtered:
+        batch.set(FILTERED, torch.ones(b, dtype=torch.bool))
+    if temperature is not None:
+        batch.set(TEMPERATURE, torch.full((b,), float(temperature) if temperature > 0 else 1.0, dtype=torch.float32))
     set_column(batch, "prompt_text", [prompts.text[i] for i in rows])
     for name, values in prompts.columns.items():
         set_column(batch, name, [values[i] for i in rows])
@@ -283,11 +347,20 @@ def concat(batches: Sequence[Batch]) -> Batch:
     """Concatenate batches, renumbering ``group`` ids so groups from different calls never merge."""
     if not batches:
         raise ValueError("concat needs at least one batch")
+    # a batch sampled with top-k/top-p marks its rows (logprobs_filtered); concatenated with one
+    # sampled without, the other's rows get False (torch.cat needs the same fields in every part)
+    flagged = any(FILTERED in b.keys() for b in batches)
+    # likewise the recorded temperature: a batch without one (make_batch) is at 1.0, as update reads it
+    tempered = any(TEMPERATURE in b.keys() for b in batches)
     widths_p = max(b["prompt_ids"].shape[1] for b in batches)
     widths_t = max(b["response_ids"].shape[1] for b in batches)
     parts, offset = [], 0
     for b in batches:
         b = shallow_copy(b)
+        if flagged and FILTERED not in b.keys():
+            b.set(FILTERED, torch.zeros(b.batch_size[0], dtype=torch.bool, device=b["response_ids"].device))
+        if tempered and TEMPERATURE not in b.keys():
+            b.set(TEMPERATURE, torch.ones(b.batch_size[0], dtype=torch.float32, device=b["response_ids"].device))
         for k in list(b.keys()):
             v = b.get(k)
             if isinstance(v, torch.Tensor) and v.dim() == 2:

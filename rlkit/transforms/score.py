@@ -41,7 +41,9 @@ response text, not ``[{"role": "assistant", "content": ...}]``.
 Several rewards: pass a list or a ``{name: fn}`` dict, with ``weights``; each one's value is kept
 as ``reward/<name>`` and ``rewards`` is their weighted sum.
 
-A reward that raises, returns NaN/inf, text, or the wrong number of values is an error that names
+A reward returns one number per completion: a list, a tensor or a numeric numpy array (a ``(b, 1)``
+column is flattened, as a tensor's is); one number for the whole batch is an error saying so. A
+reward that raises, returns NaN/inf, text, or the wrong number of values is an error that names
 the reward and the sample (its row, prompt and response).
 
 ``None`` follows TRL: a TRL-style function returns ``None`` for a sample it does not apply to (a
@@ -66,6 +68,11 @@ from rlkit.batch import RESERVED_COLUMNS, Batch, BatchError, column, columns, ro
 
 class RewardError(ValueError):
     """A reward function failed, or returned a bad value; the message names the sample."""
+
+
+def _is_ndarray(x: Any) -> bool:
+    """A numpy array, without importing numpy."""
+    return type(x).__module__ == "numpy" and type(x).__name__ == "ndarray"
 
 
 def _name(fn: Callable) -> str:
@@ -219,7 +226,11 @@ def _call_trl(fn, batch, prompts, completions) -> list[Any]:
         kwargs = {k: materialize(v) for k, v in kwargs.items()}
         completions = materialize(completions)
     out = fn(completions=completions, **kwargs) if _by_keyword(fn, params) else fn(completions, **kwargs)
-    return list(_await(out))
+    # returned as it is: _run_one turns it into one value per completion, and refuses one number
+    # with its own message (list() of it here raised a TypeError that was blamed on sample 0)
+    out = _await(out)
+    # a generator runs here, where an error it raises is the reward's (named, sample by sample)
+    return list(out) if isinstance(out, abc.Iterator) else out
 
 
 def _truth_source(fn, batch) -> str:
@@ -296,6 +307,10 @@ def _run_one(fn: Callable, batch: Batch, prompts: Sequence[str], completions: Se
                 except Exception:  # noqa: BLE001
                     raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} on {_sample_desc(batch, i, prompts, completions)}") from exc
             raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} (on the whole batch; every sample alone succeeded)") from exc
+    if _is_ndarray(values) and values.dtype.kind in "biuf":
+        # a numeric numpy array (a model's predict(...)), as a tensor of the same values: its
+        # (b, 1) column was split into one-element arrays, refused per sample, where a tensor passed
+        values = torch.from_numpy(values.astype("float32", copy=False).copy())
     try:
         values = values.detach().float().flatten().cpu() if isinstance(values, torch.Tensor) else list(values)
     except TypeError:

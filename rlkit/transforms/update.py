@@ -23,9 +23,12 @@ those of a finished update. An exception before that step leaves it unchanged an
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
+import numbers
+import re
 import warnings
 from typing import Any, Callable, Mapping
 
@@ -37,6 +40,7 @@ from rlkit.algos.losses import POLICY_LOSSES, aggregate, value_loss
 from rlkit.batch import Batch, BatchError, validate
 from rlkit.state import TrainState
 from rlkit.transforms.forward import module_device, rows_view
+from rlkit.transforms.rollout import FILTERED
 
 LossSpec = str | Callable | tuple
 
@@ -45,7 +49,16 @@ class NonFiniteError(FloatingPointError):
     """Too many consecutive updates had a non-finite loss or gradient."""
 
 
-def _resolve_loss(loss: LossSpec, loss_kw: Mapping[str, Any] | None):
+def _loss_name(fn: Callable) -> str:
+    return getattr(fn, "__name__", None) or repr(fn)
+
+
+def _resolve_loss(loss: LossSpec, loss_kw: Mapping[str, Any] | None, agg: Any = None):
+    """``(fn, kwargs, wants_generator, accepted keywords or None for **kwargs)`` of a policy loss.
+
+    ``agg``: the update's aggregation; a non-None one is refused for a loss that cannot receive it
+    (no ``agg`` parameter, no ``**kwargs``): update passes a loss only the keywords it declares, so
+    the policy term kept the loss's own aggregation while the KL and entropy terms took ``agg``."""
     kw = dict(loss_kw or {})
     if isinstance(loss, tuple):
         loss, extra = loss
@@ -63,7 +76,67 @@ def _resolve_loss(loss: LossSpec, loss_kw: Mapping[str, Any] | None):
             raise TypeError(f"policy loss {getattr(fn, '__name__', loss)!r} has no option(s) {sorted(unknown)}; its options: {[n for n in params if n not in ('logprobs', 'old_logprobs', 'advantages', 'response_mask')]}")
     accepts_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
     accepted = None if accepts_all else set(params)
+    if agg is not None and accepted is not None and "agg" not in accepted:
+        shown = agg if isinstance(agg, str) else _loss_name(agg)
+        name = _loss_name(fn)
+        raise TypeError(
+            f"agg={shown!r} cannot reach the policy loss {name!r}, which has no 'agg' parameter (nor **kwargs): its own "
+            f"aggregation would be used while the KL and entropy terms used {shown!r}. Add an 'agg' parameter to {name} "
+            "(update passes it by keyword; rk.algos.aggregate(loss_mat, response_mask, agg, num_tokens=..., num_seqs=..., "
+            "horizon=...) applies it), or leave agg=None"
+        )
     return fn, kw, "generator" in params, accepted
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dim()}-d tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(_describe(v) for v in value[:3]) + (", ..." if len(value) > 3 else "")
+        return f"a {type(value).__name__} of {len(value)} ({inner})"
+    return f"a {type(value).__name__}"
+
+
+_LOSS_CONTRACT = ("(loss, metrics): loss a 0-d tensor (the mini-batch's loss, aggregated over its tokens, e.g. with "
+                  "rk.algos.aggregate(loss_mat, response_mask, agg, num_tokens=num_tokens)), metrics a dict of 0-d tensors or "
+                  "numbers (`return loss, {}` for none)")
+
+
+def _checked_loss_output(result: Any, fn: Callable) -> tuple[torch.Tensor, Mapping[str, Any]]:
+    """The policy loss's ``(loss, metrics)``, checked (types and shapes only: no device sync). A
+    wrong return used to fail in torch, naming neither the loss nor what it must return: a bare
+    loss ("iteration over a 0-d tensor"), a per-token one ("grad can be implicitly created only
+    for scalar outputs"), a (1,) loss or metric ("stack expects each tensor to be equal size")."""
+    name = _loss_name(fn)
+    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+        hint = " (add the metrics: `return loss, {}`)" if isinstance(result, torch.Tensor) else ""
+        raise TypeError(f"policy loss {name!r} returned {_describe(result)}; it must return {_LOSS_CONTRACT}{hint}")
+    loss, metrics = result
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"policy loss {name!r} returned a loss that is {_describe(loss)}, not a tensor; it must return "
+                        f"{_LOSS_CONTRACT} (a Python number has no gradient: compute the loss from the logprobs tensor)")
+    if loss.dim() != 0:
+        hint = (" (reduce the per-token loss with rk.algos.aggregate(loss_mat, response_mask, agg, ...))" if loss.dim() >= 2
+                else " (.squeeze() a one-element loss, or aggregate it)")
+        raise ValueError(f"policy loss {name!r} returned a loss of shape {tuple(loss.shape)}; it must return {_LOSS_CONTRACT}{hint}")
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"policy loss {name!r} returned metrics that are {_describe(metrics)}; it must return {_LOSS_CONTRACT}")
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor):
+            if value.dim() != 0:
+                raise ValueError(f"policy loss {name!r} returned metric {key!r} of shape {tuple(value.shape)}; it must return "
+                                 f"{_LOSS_CONTRACT} (reduce it, e.g. with .mean() over the response tokens)")
+        elif not isinstance(value, numbers.Real):
+            raise TypeError(f"policy loss {name!r} returned metric {key!r} that is {_describe(value)}; it must return {_LOSS_CONTRACT}")
+    return loss, metrics
+
+
+@contextlib.contextmanager
+def _quiet_temperature_warning(where: str):
+    """Silence ``where``'s explicit-temperature warning inside update, which gave its own."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=re.escape(where) + r": temperature=", category=RuntimeWarning)
+        yield
 
 
 def _resolve_kl(kl) -> tuple[str | Callable | None, float]:
@@ -126,7 +199,7 @@ def update(
     horizon: int | None = None,
     kl: tuple | float | None = None,
     entropy_coef: float = 0.0,
-    temperature: float = 1.0,
+    temperature: float | None = None,
     mini_batch_size: int | None = None,
     micro_batch_size: int | None = None,
     epochs: int = 1,
@@ -154,22 +227,48 @@ def update(
         kl: ``(mode, coef)`` KL-to-reference penalty in the loss, e.g. ``("low_var_kl", 1e-3)``;
             uses ``batch["ref_logprobs"]`` or computes it with ``state.ref``.
         entropy_coef: entropy bonus coefficient.
-        temperature: the rollout temperature (logits are divided by it, as verl does).
+        temperature: the temperature of the trainer's log-probs (logits are divided by it, as
+            verl does). None (the default): the one the batch's log-probs were sampled at, its
+            ``temperature`` column (:func:`rlkit.rollout` records it; every row must agree, else a
+            ``ValueError`` asks for an explicit one), or 1.0 for a batch without it (``make_batch``).
+            An explicit temperature that differs from the recorded one warns (``RuntimeWarning``):
+            the ratio is then not 1 on-policy.
         mini_batch_size / micro_batch_size / epochs / shuffle: PPO-style multi-step updates.
         max_grad_norm: gradient clipping (None: off).
         max_logprob_gap: warn when the mean |train - rollout| log-prob gap exceeds it (a
-            stale engine, a wrong temperature, a numerics mismatch); None: never.
+            stale engine, a wrong temperature, a numerics mismatch); None: never. The gap is
+            measured over the rows whose ``logprobs`` are of the unfiltered policy only (rows
+            marked ``logprobs_filtered``, sampled with top-k/top-p, differ by design). When the
+            ratio's old log-probs are the batch's ``old_logprobs``, the mean |train - old| gap
+            (``actor/old_logprob_gap``) is measured too and warns above the same threshold: on
+            the first mini-batch, before any step, they should agree (a recompute at another
+            temperature, or from another policy version, does not).
         old: where the old-policy log-probs of the ratio come from. ``"batch"``:
             ``batch["old_logprobs"]`` (from :func:`rlkit.compute_old_logprobs`), else
-            the rollout's ``batch["logprobs"]``. ``"current"``: this update's own forward,
+            the rollout's ``batch["logprobs"]``; except on rows marked ``logprobs_filtered``
+            (:func:`rlkit.rollout` with ``top_k > 0`` or ``top_p < 1``), whose rollout log-probs
+            are of the filtered distribution ``log softmax(top_p(top_k(logits / T)))`` while the
+            update's are of ``log softmax(logits / T)``: without ``old_logprobs``, those rows' old
+            log-probs are computed first with the trainer's forward
+            (:func:`rlkit.compute_old_logprobs`, with this ``temperature`` and
+            ``micro_batch_size``; verl's recompute), so the ratio is 1 before the first optimizer
+            step. ``"current"``: this update's own forward,
             detached. That is exact only while the policy has not moved, i.e. for an update of
             one optimizer step (``epochs=1``, one mini-batch); then it equals a separate
             old-policy pass and saves it (TRL's GRPOTrainer does the same for one iteration).
 
+    A policy loss (a callable of your own included) returns ``(loss, metrics)``: ``loss`` a 0-d
+    tensor, ``metrics`` a dict of 0-d tensors or numbers (``{}`` for none); anything else is a
+    ``TypeError``/``ValueError`` naming the loss.
+
     Returns ``(new_state, metrics)`` with loss parts, clip fraction, approx KL, entropy, grad
-    norm, learning rate and the train-vs-rollout log-prob gap (``actor/logprob_gap``); loss parts
-    and ratio metrics average over the mini-batches trained (one without a response token is
-    skipped). The step count is ``new_state.step``, not a metric.
+    norm, learning rate and the train-vs-rollout log-prob gap (``actor/logprob_gap`` and
+    ``actor/logprob_gap_max``, over the first mini-batch's unfiltered rows, before any step;
+    absent when the batch has no ``logprobs`` or every row measured is ``logprobs_filtered``),
+    and ``actor/old_logprob_gap`` (the same mean against the batch's ``old_logprobs``, when the
+    ratio uses them);
+    loss parts and ratio metrics average over the mini-batches trained (one without a response
+    token is skipped). The step count is ``new_state.step``, not a metric.
     """
     from rlkit.models.logprobs import response_logprobs, to_device, values_for_response
 
@@ -204,12 +303,21 @@ def update(
             )
     positive_finite_or_none(max_grad_norm, "max_grad_norm", "no clipping")
     positive_finite_or_none(value_clip, "value_clip", "no value clipping")  # -1 clipped the critic's targets into nonsense
-    loss_fn, loss_kw, wants_generator, loss_accepts = _resolve_loss(loss, loss_kw)
+    loss_fn, loss_kw, wants_generator, loss_accepts = _resolve_loss(loss, loss_kw, agg)
     kl_mode, kl_coef = _resolve_kl(kl)
+    from rlkit.transforms.forward import resolve_temperature
+
+    # None: the temperature the batch's log-probs were sampled at (its "temperature" column, 1.0 without one)
+    temperature = resolve_temperature(
+        batch, temperature, "rlkit.update",
+        mismatch="the trainer's log-probs will be at another temperature than the policy that sampled the rows, so "
+                 "the ratio will not be 1 on-policy",
+    )
     if kl_coef and "ref_logprobs" not in keys:
         from rlkit.transforms.forward import compute_ref_logprobs
 
-        batch = compute_ref_logprobs(state, batch, temperature=temperature, micro_batch_size=micro_batch_size)
+        with _quiet_temperature_warning("rk.compute_ref_logprobs"):  # update warned about its temperature above
+            batch = compute_ref_logprobs(state, batch, temperature=temperature, micro_batch_size=micro_batch_size)
     train_critic = state.critic is not None and "returns" in keys
     if train_critic and "values" not in keys:
         from rlkit.transforms.forward import compute_values
@@ -238,10 +346,16 @@ def update(
         new_state = state.replace(step=state.step + 1, policy_version=state.policy_version + int(metrics.pop("_stepped")))
         state.donate("rlkit.update", new_state)
         return new_state, metrics
+    if old == "batch" and old_key == "logprobs" and FILTERED in keys:
+        # top-k/top-p rows: their rollout log-probs are of the filtered distribution, not of the
+        # policy this update differentiates; the trainer's own old-policy pass replaces them
+        with _quiet_temperature_warning("rk.compute_old_logprobs"):  # update warned about its temperature above
+            batch = _recompute_filtered(state, batch, temperature, micro_batch_size)
+        old_key = "old_logprobs" if "old_logprobs" in batch.keys() else "logprobs"  # no row marked: the rollout's
     # only the tensors the loss reads: slicing and moving text columns (lazy stacks of strings)
     # cost milliseconds per micro-batch
     used = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "advantages", "old_logprobs", "logprobs",
-            "ref_logprobs", "values", "returns")
+            "ref_logprobs", "values", "returns", FILTERED)
     present = set(batch.keys())
     batch = batch.select(*(k for k in used if k in present))
     b = batch.batch_size[0]
@@ -275,6 +389,11 @@ def update(
     streak = int(state.extras.get("nonfinite_streak", 0))
     gap_abs = gap_max = None
     gap_tokens = 0.0  # this rank's response tokens the gap was measured over
+    # the ratio's old log-probs from the batch's old_logprobs (given, not update's own recompute of
+    # filtered rows): measured against the trainer's before any step, where they should agree
+    measure_old = old == "batch" and "old_logprobs" in keys
+    old_abs = None
+    old_tokens = 0.0
     steps_done = 0
     minis_trained = 0  # mini-batches that ran forward/backward (an all-empty one is skipped)
     # Pipeline.lower(grad_reduce="step"): FSDP2 reduce-scatters once per optimizer step, in the
@@ -335,7 +454,8 @@ def update(
                             if loss_accepts is not None:
                                 call_kw = {k: v for k, v in call_kw.items() if k in loss_accepts}
                             old_lp = logprobs.detach() if old == "current" else mb[old_key]
-                            pg_loss, pg_metrics = loss_fn(logprobs, old_lp, mb["advantages"], mask, **call_kw, **loss_kw, **extra)
+                            pg_loss, pg_metrics = _checked_loss_output(
+                                loss_fn(logprobs, old_lp, mb["advantages"], mask, **call_kw, **loss_kw, **extra), loss_fn)
                             total = pg_loss
                             record("actor/pg_loss", pg_loss, 1.0)
                             for k, v in pg_metrics.items():
@@ -351,10 +471,21 @@ def update(
                                 record("actor/kl_loss", kl_loss, 1.0)
                             if "logprobs" in keys and epoch == 0 and m0 == 0:
                                 # the silent bug of every peer: train-vs-rollout numerics; measured before any step
-                                diff = (logprobs.detach() - mb["logprobs"]).abs().masked_fill(~mask, 0.0)
+                                # rows sampled with top-k/top-p differ by design: measured over the others only
+                                measured, host_measured = mask, rows["response_mask"]
+                                if FILTERED in mb:
+                                    measured = mask & ~mb[FILTERED].bool()[:, None]
+                                    host_measured = host_measured & ~rows[FILTERED].bool()[:, None]
+                                diff = (logprobs.detach() - mb["logprobs"]).abs().masked_fill(~measured, 0.0)
                                 gap_abs = diff.sum().double() + (0.0 if gap_abs is None else gap_abs)
                                 gap_max = diff.max().double() if gap_max is None else torch.maximum(gap_max, diff.max().double())
-                                gap_tokens = gap_tokens + rows["response_mask"].sum()  # the rows measured (shuffled or not)
+                                gap_tokens = gap_tokens + host_measured.sum()  # the tokens measured (shuffled or not)
+                            if measure_old and epoch == 0 and m0 == 0:
+                                # the old log-probs the ratio uses, against the policy before any step: a
+                                # recompute at another temperature (or of another policy version) shows here
+                                odiff = (logprobs.detach() - mb["old_logprobs"]).abs().masked_fill(~mask, 0.0)
+                                old_abs = odiff.sum().double() + (0.0 if old_abs is None else old_abs)
+                                old_tokens = old_tokens + rows["response_mask"].sum()
                             mini_loss = mini_loss + total.detach()
                             (total * grad_scale).backward()
                             if train_critic:
@@ -409,28 +540,43 @@ def update(
         n_steps = max(minis_trained, 1)
         # one device-to-host transfer for every metric
         on_device = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
-        extra_keys = [x for x in (gap_abs, gap_max) if isinstance(x, torch.Tensor)]
-        if on_device or extra_keys:
-            host = torch.stack([sums[k].to(device) for k in on_device] + [x.to(device) for x in extra_keys]).tolist()
+        gaps = {k: v for k, v in (("gap_abs", gap_abs), ("gap_max", gap_max), ("old_abs", old_abs)) if isinstance(v, torch.Tensor)}
+        if on_device or gaps:
+            host = torch.stack([sums[k].to(device) for k in on_device] + [x.to(device) for x in gaps.values()]).tolist()
             sums.update(zip(on_device, host[: len(on_device)]))
-            if extra_keys:
-                gap_abs, gap_max = host[len(on_device) :]
+            read = dict(zip(gaps, host[len(on_device) :]))
+            gap_abs, gap_max, old_abs = read.get("gap_abs", gap_abs), read.get("gap_max", gap_max), read.get("old_abs", old_abs)
         # loss parts are already normalised per mini-batch (summed over its micro-batches) and ratio
         # metrics are token-weighted fractions of each mini-batch: both average over optimizer steps
         metrics = {k: sums[k] / (weights[k] if k.endswith("grad_norm") else n_steps) for k in sums}
         # the gap's denominator: the tokens it was summed over (it was the unshuffled first mini-batch's)
         n_tok = float(gap_tokens)
+        n_old = float(old_tokens)
         if dp is not None and dp.size > 1:
-            metrics, gap_abs, gap_max, n_tok = _reduce_metrics(metrics, gap_abs, gap_max, n_tok, dp, device)
-        if gap_abs is not None:
-            metrics["actor/logprob_gap"] = gap_abs / max(n_tok, 1.0)
+            metrics, gap_abs, gap_max, n_tok, old_abs, n_old = _reduce_metrics(metrics, gap_abs, gap_max, n_tok, dp, device,
+                                                                            old_abs=old_abs, n_old=n_old)
+        if gap_abs is not None and n_tok > 0:  # none measured: every row was logprobs_filtered
+            metrics["actor/logprob_gap"] = gap_abs / n_tok
             metrics["actor/logprob_gap_max"] = gap_max
+        if old_abs is not None and n_old > 0:
+            metrics["actor/old_logprob_gap"] = old_abs / n_old
+        if max_logprob_gap is not None and metrics.get("actor/old_logprob_gap", 0.0) > max_logprob_gap:
+            warnings.warn(
+                f"rlkit.update: at step {state.step} the batch's old_logprobs differ from the current policy's log-probs by "
+                f"{metrics['actor/old_logprob_gap']:.3g} per token on average (threshold {max_logprob_gap}) on the first "
+                "mini-batch, before any optimizer step, where the ratio should be 1 (on-policy): they were computed at "
+                f"another temperature (this update's is {temperature}; rk.compute_old_logprobs(state, batch) without "
+                "temperature uses the batch's) or from another policy version. Recompute them with rk.compute_old_logprobs "
+                "right before the update, at its temperature",
+                RuntimeWarning, stacklevel=2,
+            )
         if max_logprob_gap is not None and metrics.get("actor/logprob_gap", 0.0) > max_logprob_gap:
             warnings.warn(
                 f"rlkit.update: at step {state.step} the trainer's log-probs differ from the rollout's by "
                 f"{metrics['actor/logprob_gap']:.3g} per token on average (threshold {max_logprob_gap}); the rollout "
-                "engine may be stale, sampled at another temperature, or numerically off (check update(temperature=...) "
-                "matches rollout(temperature=...))",
+                f"engine may be stale, sampled at another temperature, or numerically off (this update's temperature is "
+                f"{temperature}: check update(temperature=...) matches rollout(temperature=...), or leave it None to use the "
+                "batch's recorded one)",
                 RuntimeWarning, stacklevel=2,
             )
         # the rate the (last) optimizer step of this update used; it reported the next step's, and at a
@@ -456,11 +602,43 @@ def update(
     return new_state, metrics
 
 
-def _reduce_metrics(metrics, gap_abs, gap_max, n_tok, dp, device):
+def _recompute_filtered(state: TrainState, batch: Batch, temperature: float, micro_batch_size: int | None) -> Batch:
+    """``batch`` with ``old_logprobs``: the trainer's log-probs (:func:`rlkit.compute_old_logprobs`)
+    on the rows marked ``logprobs_filtered``, the rollout's ``logprobs`` on the others. One pass
+    over the marked rows (over every row under data parallelism, whose pass shards the rows);
+    none when no row is marked (``batch`` returned as it is, without ``old_logprobs``)."""
+    from rlkit.batch import shallow_copy
+    from rlkit.transforms import forward
+
+    flags = batch[FILTERED].bool()
+    if not bool(flags.any()):
+        return batch
+    dp = _dp(state)
+    kw = dict(temperature=temperature, micro_batch_size=micro_batch_size)
+    if bool(flags.all()) or (dp is not None and dp.size > 1):
+        old = forward.compute_old_logprobs(state, batch, **kw)["old_logprobs"]  # stays where it was computed, as there
+        if bool(flags.all()):
+            out = shallow_copy(batch)
+            out.set("old_logprobs", old)
+            return out
+    else:
+        rows = flags.nonzero().flatten()
+        part = forward.compute_old_logprobs(state, batch[rows], **kw)["old_logprobs"]
+        old = batch["logprobs"].to(part.device, part.dtype).clone()
+        old[rows.to(part.device)] = part
+    lp = batch["logprobs"].to(old.device, old.dtype)
+    out = shallow_copy(batch)
+    out.set("old_logprobs", torch.where(flags.to(old.device)[:, None], old, lp))
+    return out
+
+
+def _reduce_metrics(metrics, gap_abs, gap_max, n_tok, dp, device, *, old_abs=None, n_old=0.0):
     """Sum the per-rank parts of the metrics (losses are normalised by global counts, so their
-    per-rank values add up to the global value); grad norms are already global."""
+    per-rank values add up to the global value); grad norms are already global. Returns
+    ``(metrics, gap_abs, gap_max, n_tok, old_abs, n_old)``, the gaps' sums and counts global."""
     keys = sorted(k for k in metrics if not k.endswith("grad_norm"))
-    packed = torch.tensor([metrics[k] for k in keys] + [gap_abs or 0.0, n_tok, gap_max or 0.0], dtype=torch.float64, device=device)
+    packed = torch.tensor([metrics[k] for k in keys] + [old_abs or 0.0, n_old, gap_abs or 0.0, n_tok, gap_max or 0.0],
+                          dtype=torch.float64, device=device)
     # one gather, reduced here (sums, and the max of the gap): a handful of scalars, where an
     # all-reduce for the sums and another for the max cost a collective each
     size = torch.distributed.get_world_size(dp.group)
@@ -475,7 +653,9 @@ def _reduce_metrics(metrics, gap_abs, gap_max, n_tok, dp, device):
     if gap_abs is not None:
         gap_max = float(everyone[:, -1].max())
         gap_abs = float(sums[-2])
-    return out, gap_abs, gap_max, float(sums[-1])
+    if old_abs is not None:
+        old_abs = float(sums[-4])
+    return out, gap_abs, gap_max, float(sums[-1]), old_abs, float(sums[-3])
 
 
 def _clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor | float:
