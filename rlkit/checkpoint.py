@@ -16,9 +16,11 @@ Atomicity: everything is written into ``step_000123.tmp-<uuid>``; ``COMPLETE`` i
 fsynced last, then the directory is renamed to ``step_000123`` (a rename is atomic on POSIX
 file systems). A crash at any point leaves either the previous checkpoints untouched plus a
 ``*.tmp-*`` directory (ignored, then deleted by the next :class:`Checkpointer`), or the new
-complete checkpoint. A directory without ``COMPLETE`` is never loaded. Replacing a checkpoint of
-the same step renames the old one away just before the new one goes in: a failed rename puts the
-old one back, and a crash in between leaves a complete ``*.tmp-*``, which the next
+complete checkpoint. A directory without ``COMPLETE`` is never loaded. A checkpoint is deleted
+(keep-last-N, or replaced by a new save of its step) by renaming it to ``step_000123.old-<hex>``
+first; one whose deletion an interrupt stopped is deleted by the next save (see :func:`prune`).
+Replacing a checkpoint of the same step renames the old one away just before the new one goes
+in: a failed rename puts the old one back, and a crash in between leaves a complete ``*.tmp-*``, which the next
 :class:`Checkpointer` renames into place (see :func:`cleanup`).
 
 Timelines: saving step k next to checkpoints of later steps (the run was restored from an older
@@ -103,20 +105,51 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _interrupt_in(errors: Iterable[BaseException | None]) -> BaseException | None:
+    """The first ``KeyboardInterrupt`` or ``SystemExit`` among ``errors`` and their
+    ``__cause__`` / ``__context__`` chains (cycles are followed once), or None."""
+    seen: set[int] = set()
+    todo = [e for e in errors if e is not None]
+    while todo:
+        err = todo.pop(0)
+        if id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            return err
+        todo.extend(e for e in (err.__cause__, err.__context__) if isinstance(e, BaseException))
+    return None
+
+
 @contextlib.contextmanager
 def _interrupts_unwrapped():
     """Ctrl-C inside a DCP save or load reaches the caller as ``KeyboardInterrupt`` (chained to
     DCP's error), not as the ``CheckpointException`` DCP wraps it in: what handles an interrupt
-    (``rk.fit``'s ``exc.state``, ``rlkit run``'s one-line message) never saw it."""
+    (``rk.fit``'s ``exc.state``, ``rlkit run``'s one-line message) never saw it.
+
+    The interrupt is looked for in the whole ``__cause__`` / ``__context__`` chain of each failure:
+    one that lands while ``torch.save`` writes a tensor comes out of torch's zip writer as
+    ``RuntimeError: [enforce fail at inline_container.cc] unexpected pos`` with the
+    ``KeyboardInterrupt`` only as its context. A ``SystemExit`` found there (a SIGTERM handler that
+    exits, :class:`Preempted`) is re-raised as it is, with its exit status."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         yield
-    except CheckpointException as e:
-        failures = getattr(e, "failures", {}) or {}
-        if any(isinstance(pair[0] if isinstance(pair, tuple) else pair, KeyboardInterrupt) for pair in failures.values()):
-            raise KeyboardInterrupt("interrupted during a checkpoint's save or load") from e
+    except (KeyboardInterrupt, SystemExit):
         raise
+    except BaseException as e:  # noqa: BLE001 - re-raised, or its interrupt (CheckpointException is a BaseException)
+        if isinstance(e, CheckpointException):
+            failures = getattr(e, "failures", {}) or {}
+            errors = [pair[0] if isinstance(pair, tuple) else pair for pair in failures.values()]
+        else:
+            errors = [e]
+        found = _interrupt_in(x for x in errors if isinstance(x, BaseException))
+        if found is None:
+            raise
+        if isinstance(found, KeyboardInterrupt):
+            raise KeyboardInterrupt("interrupted during a checkpoint's save or load") from e
+        raise found from e
 
 
 @contextlib.contextmanager
@@ -227,9 +260,48 @@ def prune(root: str | os.PathLike, keep: int, *, protect: Iterable[str | os.Path
             continue
         # rename first so a crash mid-delete leaves garbage, never a marker-less "step_" dir
         doomed = path.with_name(f"{path.name}.old-{uuid.uuid4().hex[:8]}")
+        _DOOMED.add(doomed.name)  # before the rename: an interrupt in between leaves nothing unknown
         os.replace(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        _delete(doomed)
         removed.append(path)
+    _sweep_old(Path(root))
+    return removed
+
+
+#: names of the ``step_<k>.old-<hex>`` directories this process renamed away to delete them (a
+#: pruned checkpoint, or the one a save of the same step replaced) and has not finished deleting:
+#: a Ctrl-C inside the deletion left them half deleted until the next Checkpointer's cleanup()
+_DOOMED: set[str] = set()
+
+
+def _delete(doomed: Path) -> None:
+    shutil.rmtree(doomed, ignore_errors=True)
+    if not doomed.exists():
+        _DOOMED.discard(doomed.name)
+
+
+def _sweep_old(root: Path) -> list[Path]:
+    """Delete the ``*.old-*`` leftovers in ``root`` that are garbage for certain (one directory
+    listing; called by every save and prune): those this process renamed away itself (an interrupt
+    stopped their deletion), those without a ``COMPLETE`` marker (half deleted), and those of a
+    step whose complete checkpoint is in place. Kept: a complete ``step_<k>.old-*`` with no
+    ``step_<k>``, which may be the one good checkpoint of a save that another process is swapping
+    in right now (it puts the old one back when its rename fails); ``*.tmp-*`` directories, which
+    may be saves in progress, are never touched here (see :func:`cleanup`)."""
+    removed = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _GARBAGE.match(entry.name)
+        if not m or m.group(2) != "old" or not entry.is_dir(follow_symlinks=False):
+            continue
+        path = Path(entry.path)
+        if (entry.name in _DOOMED or not (path / MARKER).is_file()
+                or (root / step_dir_name(int(m.group(1))) / MARKER).is_file()):
+            _delete(path)
+            removed.append(path)
     return removed
 
 
@@ -593,9 +665,12 @@ def save(
                 raise
             _fsync_dir(root)
             if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+                _DOOMED.add(old.name)
+                _delete(old)
             if keep:
-                prune(root, keep, protect=[final])
+                prune(root, keep, protect=[final])  # sweeps too
+            else:
+                _sweep_old(root)  # what an interrupted deletion left (the Checkpointer lives on)
         _barrier()
     except BaseException:
         # an exception (disk full, a bug) cleans up after itself; a hard kill leaves the .tmp-
@@ -747,6 +822,10 @@ def load(
     meta = _read_json(path / META, "model description", path)
     _validate(template, meta, path, load_ref)
 
+    # DCP wraps a read failure in CheckpointException, a BaseException in torch 2.13: caught with
+    # Exception below, so a broken checkpoint is reported as one (and resume("auto") falls back)
+    from torch.distributed.checkpoint.api import CheckpointException
+
     rng_key = f"rng.rank{_rank()}"
     # a b"" placeholder tells DCP which bytes leaves to read; it replaces them with the saved objects
     trainer_probe: dict[str, Any] = {"trainer": b""}
@@ -755,7 +834,7 @@ def load(
         with _quiet_dcp(), _interrupts_unwrapped():
             dcp.load(trainer_probe, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed())
         trainer = pickle.loads(trainer_probe["trainer"])
-    except Exception as exc:  # noqa: BLE001 - any read failure means a broken file
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any read failure means a broken file
         raise CheckpointCorruptError(f"checkpoint {path}: cannot read the trainer state ({type(exc).__name__}: {exc}); {_try_previous(path)}") from exc
     sd: dict[str, Any] = {}
     if rng_key in saved_keys:
@@ -787,7 +866,7 @@ def load(
     try:
         with _quiet_dcp(), _interrupts_unwrapped():
             dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed())
-    except Exception as exc:  # noqa: BLE001
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's wrapper is a BaseException in torch 2.13
         raise CheckpointCorruptError(f"checkpoint {path}: reading the tensors failed ({type(exc).__name__}: {str(exc)[:500]}); {_try_previous(path)}") from exc
 
     for model_key, opt_key, sched_key, info in plans:
@@ -890,8 +969,11 @@ class Checkpointer:
     raise :class:`Preempted` (a ``SystemExit`` with status 143); a second SIGTERM exits at once.
     Outside that window SIGTERM does what it did before (by default: terminate), so a script that
     goes on after ``fit`` stays killable. Creating a Checkpointer deletes leftovers of interrupted
-    saves. Saving step k moves checkpoints of steps >= k aside into ``directory/abandoned/`` (a
-    run restored from an older checkpoint starts a new timeline; see :func:`save`).
+    saves; every save also deletes the ``*.old-*`` directories that an interrupted deletion of a
+    pruned or replaced checkpoint left (Ctrl-C, then ``rk.fit`` again with the same Checkpointer),
+    so the directory holds only the ``keep`` newest checkpoints. Saving step k moves checkpoints
+    of steps >= k aside into ``directory/abandoned/`` (a run restored from an older checkpoint
+    starts a new timeline; see :func:`save`).
 
         ckpt = Checkpointer("run/checkpoints", every=50, keep=3)
         state = ckpt.resume(state, "auto")         # newest checkpoint that verifies, or unchanged

@@ -64,12 +64,20 @@ def test_warmup_learns():
     assert last < 0.6 * first, (first, last)
 
 
-def test_warmup_reports_steps_done_to_sinks_and_on_step_as_fit_does():
+def test_warmup_reports_steps_done_to_sinks_and_on_step_as_fit_does(monkeypatch):
     """Sinks and ``on_step`` get (steps done, metrics), 1..steps, so a progress bar ends full; a
     notebook dashboard passed as a sink ends at its total even when ``every`` does not divide it."""
     import importlib.util
 
     import matplotlib
+
+    from rlkit.observe import notebook
+
+    if importlib.util.find_spec("ipywidgets") is not None:  # as in a kernel: the dashboard builds its widgets
+        import IPython.display
+
+        monkeypatch.setattr(notebook, "_in_kernel", lambda: True)
+        monkeypatch.setattr(IPython.display, "display", lambda *objs: None)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -3,23 +3,38 @@
     dash = rk.observe.notebook.Dashboard(total=100, keys=("reward/mean", "eval/accuracy"))
     state, history = rk.fit(..., sinks=[dash])
 
-Outside a notebook (no ipywidgets), it degrades to keeping the history; ``dash.plot()`` still
-draws a static figure.
+Outside a notebook (no running IPython kernel, or no ipywidgets), it degrades to keeping the
+history; ``dash.plot()`` still draws a static figure.
 """
 from __future__ import annotations
 
 import html
+import sys
 from typing import Sequence
 
 from rlkit._checks import int_at_least
 from rlkit.observe.sinks import _metric_items, _rewound, as_keys, as_number, format_value
 
 
+def _in_kernel() -> bool:
+    """Whether this process is a running IPython kernel (Jupyter, VS Code, Colab), where widgets
+    show. IPython is not imported for the check: a kernel has imported it already; a plain or
+    terminal IPython shell has no ``kernel``."""
+    ipython = sys.modules.get("IPython")
+    get = getattr(ipython, "get_ipython", None)
+    try:
+        shell = get() if callable(get) else None
+    except Exception:  # noqa: BLE001 - an odd IPython: take it as no kernel
+        return False
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
 class Dashboard:
     """Redraws every ``every`` steps (and at the last, ``total``; a later ``rk.fit`` call that goes
     past ``total`` moves it to the next multiple of ``every``); ``keys`` may be one name
-    (``keys="sft/loss"``). A value that is not a number shows as text (None as ``-``) and is left
-    out of the plots, so that an odd metric cannot end a run at its dashboard."""
+    (``keys="sft/loss"``). Outside a running notebook kernel it only keeps ``history`` and
+    ``latest`` (nothing is drawn or printed). A value that is not a number shows as text (None as
+    ``-``) and is left out of the plots, so that an odd metric cannot end a run at its dashboard."""
 
     def __init__(self, total: int, keys: str | Sequence[str] = ("reward/mean", "eval/accuracy", "actor/entropy", "actor/logprob_gap"), every: int = 1):
         int_at_least(total, "Dashboard: total", 0, " (the step count to reach)")
@@ -28,6 +43,10 @@ class Dashboard:
         self.history: list[dict] = []
         self.latest: dict = {}  # each key's latest value, whatever step logged it
         self._widgets = None
+        if not _in_kernel():
+            # a script or a batch job (ipywidgets may well be installed): a figure drawn every
+            # step for nobody (0.2-0.3 s each) and a widget repr printed to stdout
+            return
         try:
             import ipywidgets as widgets
             from IPython.display import display
