@@ -115,8 +115,40 @@ def emit(metrics: dict, **more: Any) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def _own_session() -> None:
+    """Detach this worker from the caller's process group and session, as torchrun's workers are.
+
+    rk.launch's workers used to share the caller's process group, so a signal sent to the whole
+    group (``timeout``, ``kill -TERM -PGID``, Jupyter stopping its kernel with ``os.killpg``, the
+    terminal's Ctrl-C) reached each worker twice: directly, and forwarded by torch elastic. A
+    :class:`rlkit.checkpoint.Checkpointer` takes a second SIGTERM as "exit at once", so the worker
+    died without saving. In their own session the workers get signals only through the launcher.
+    (A launcher that dies outright still stops them: torch's spawn asks Linux for a SIGINT to each
+    worker when its parent ends, which :func:`_on_sigint` handles.)"""
+    try:
+        os.setsid()
+    except OSError:  # a session leader already
+        pass
+
+
+def _on_sigint(signum, frame) -> None:
+    """A worker's SIGINT (torch elastic forwards the launcher's Ctrl-C / notebook interrupt as
+    SIGINT, and Linux sends one when the launcher dies): the graceful stop a SIGTERM gets when
+    ``fn`` handles SIGTERM (a :class:`rlkit.checkpoint.Checkpointer` armed in ``rk.fit`` saves at
+    the next step boundary, and a second interrupt exits at once); ``KeyboardInterrupt``, as
+    before, when it does not."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if callable(handler):
+        handler(signal.SIGTERM, frame)
+        return
+    raise KeyboardInterrupt
+
+
 def _worker(payload: bytes, run_dir: str) -> tuple[int, bytes]:
     """Trampoline run in every worker: unpickle ``(fn, args, kwargs)``, run it, report."""
+    _own_session()  # first: until then a signal to the caller's group reaches this process too
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _on_sigint)
     import cloudpickle
 
     os.environ[RUN_DIR_ENV] = run_dir
@@ -435,6 +467,9 @@ def launch(
     except ChildFailedError as e:
         raise _worker_error(run_dir, e) from None
     except SignalException as e:
+        # the workers live in their own session: none may outlive the launch (a second Ctrl-C
+        # interrupts torch elastic while it waits for them to stop)
+        _kill_leftover_workers(run_dir)
         if tail.vanished:  # the watchdog's own SIGTERM: a worker ended without leaving fn
             raise _vanished_error(run_dir, tail.vanished) from None
         # the workers are stopped by now (a Checkpointer in them saved on SIGTERM); the caller gets
@@ -461,6 +496,26 @@ def launch(
     return cloudpickle.loads(results[0][1])
 
 
+def _kill_leftover_workers(run_dir: str) -> list[int]:
+    """SIGKILL this machine's workers of the run that are still running ``fn``; their ranks."""
+    host, killed = socket.gethostname(), []
+    for path in glob.glob(os.path.join(run_dir, "workers", "rank*.pid")):
+        if os.path.exists(path[: -len(".pid")] + ".done"):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                where, pid = f.read().split()
+        except (OSError, ValueError):
+            continue
+        if where == host and _alive(int(pid)):
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+                killed.append(int(re.search(r"rank(\d+)\.pid$", path).group(1)))
+            except OSError:
+                pass
+    return sorted(killed)
+
+
 def _no_result_error(run_dir: str, ranks: list[int]) -> WorkerError:
     """Workers that exited cleanly without returning from ``fn``: not a success, since launch
     returns rank 0's result and a rank that stops early has not done its share of the run."""
@@ -484,19 +539,76 @@ def _vanished_error(run_dir: str, ranks: list[int]) -> WorkerError:
     return WorkerError(ranks[0], text, {r: text for r in ranks}, summary=summary)
 
 
+#: what a rank's traceback says when it failed only because a peer went away (collateral damage):
+#: gloo / NCCL / the TCP store losing a connection, or a collective timing out
+_COLLATERAL = re.compile(
+    r"Connection closed by peer|Connection reset|Broken pipe|Connection refused|ECONNRESET|EPIPE"
+    r"|Timed out waiting|Socket Timeout|timed out after|Watchdog caught collective operation timeout"
+    r"|ProcessGroup\w*.*(?:timeout|timed out|abort)|NCCL communicator was aborted|remote process exited"
+    r"|ncclRemoteError|ncclSystemError|DistNetworkError|DistStoreError|recvValue|recvBytes|sendBytes"
+    r"|gloo/transport|failed to recv|failed to send",
+    re.IGNORECASE,
+)
+
+
+#: a traceback ending in one of these: the rank was stopped by the launch's own signals
+_STOPPED = re.compile(r"^(?:[\w.]+\.)?(?:KeyboardInterrupt|SignalException|Preempted|Terminated)\b|^SystemExit: 143\b", re.M)
+
+
+def _exception_lines(text: str) -> str:
+    """The last exception's own lines of a traceback text (its type, message and notes), without
+    the frames above them."""
+    tail = text.rsplit("Traceback (most recent call last):", 1)[-1]
+    return "\n".join(line for line in tail.splitlines() if line.strip() and not line.startswith((" ", "\t")))
+
+
+def _collateral(text: str) -> bool:
+    """Whether a worker's Python traceback is collateral damage: a collective or connection error
+    (the rank failed because a peer went away), or the stop the launch sent it."""
+    lines = _exception_lines(text)
+    return bool(_COLLATERAL.search(lines) or _STOPPED.search(lines)
+                or re.search(r"^(?:[\w.]+\.)?(?:DistBackendError|DistNetworkError)\b", lines, re.M))
+
+
 def _worker_error(run_dir: str, error) -> WorkerError:
+    """The WorkerError of a failed launch, naming the root cause first: a Python exception of
+    fn's own; else a rank that died without a traceback (a signal, e.g. the OOM killer's SIGKILL,
+    or a bare exit), whose peers then fail in their collectives with "Connection closed by peer";
+    else the first collective failure."""
     written = _read_errors(run_dir)
     failures = {rank: text for rank, (_, text) in written.items()}
+    silent: dict[int, tuple] = {}  # rank -> sort key: killed by a signal first, then the earliest
+    codes: dict[int, tuple[int, str]] = {}
     for rank, failure in getattr(error, "failures", {}).items():
-        if rank not in failures:
-            message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
-            failures[rank] = f"exit code {failure.exitcode} ({failure.signal_name()}): {message}"
-    if written:  # a Python exception is the root cause; processes killed afterwards are collateral
-        first = min(written, key=lambda r: written[r][0])
-    elif failures:
-        first = min(failures)
-    else:
+        if rank in failures:
+            continue
+        message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
+        failures[rank] = f"exit code {failure.exitcode} ({failure.signal_name()}): {message}"
+        codes[rank] = (failure.exitcode, failure.signal_name())
+        # a signal of its own (SIGKILL, SIGSEGV, ...) first; then a bare exit; last SIGTERM / SIGINT,
+        # which is how torch elastic stops the survivors of a failure
+        kind = 2 if failure.signal_name() in ("SIGTERM", "SIGINT") else 0 if failure.exitcode < 0 else 1
+        silent[rank] = (kind, getattr(failure, "timestamp", 0) or 0, rank)
+    if not failures:
         return WorkerError(-1, str(error))
+    own = {r: t for r, (t, text) in written.items() if not _collateral(text)}
+    collateral = sorted(r for r in written if r not in own)
+    if own:  # a Python exception is the root cause; processes killed afterwards are collateral
+        first = min(own, key=lambda r: (own[r], r))
+        return WorkerError(first, failures[first], failures)
+    if silent:
+        first = min(silent, key=lambda r: silent[r])
+        code, name = codes[first]
+        others = sorted(r for r in failures if r != first)
+        how = (f"was killed by signal {name} (exit code {code}"
+               + ("; SIGKILL is what the kernel's out-of-memory killer sends" if name == "SIGKILL" else "") + ")"
+               if code < 0 else f"exited with code {code} without a Python traceback (os._exit, or a crash in native code)")
+        also = ""
+        if others:
+            lost = " with collective/connection errors (they lost their peer)" if set(others) <= set(collateral) else ""
+            also = f"; rank(s) {others} failed after it{lost}"
+        return WorkerError(first, failures[first], failures, summary=f"worker rank {first} {how}{also}")
+    first = min(collateral, key=lambda r: (written[r][0], r))
     return WorkerError(first, failures[first], failures)
 
 

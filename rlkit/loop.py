@@ -78,6 +78,12 @@ def fit(
             raise TypeError(f"prompts is a {type(prompts).__name__} and the state has no tokenizer to read it with; "
                             "pass rk.load_prompts(prompts, tokenizer), or rk.init(..., tokenizer=...)")
         prompts = load_prompts(prompts, state.tokenizer)
+    # every rank of a lowered state must run fit with the same settings (one all-gather per call;
+    # a no-op on one process): a batch_size, steps or lr given to one rank only trained silently or hung
+    from rlkit.parallel.agree import check_fit_agrees
+
+    check_fit_agrees(state, recipe, prompts, steps=steps, batch_size=batch_size, shuffle=shuffle,
+                     eval_every=eval_every, checkpointer=checkpointer is not None)
     if state.step < steps:
         _check_prompt_lengths(state, recipe, prompts)
     position = _data_position(state, prompts, batch_size)

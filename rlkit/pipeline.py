@@ -229,7 +229,13 @@ class Plan:
         from rlkit.engines.torch_engine import TorchEngine
         from rlkit.models.logprobs import LogprobModule, ValueModule
         from rlkit.parallel import fsdp
+        from rlkit.parallel.agree import check_models_agree, placement_group
 
+        # every rank must bring the same full model: sharding models built with another seed per
+        # rank glued one actor out of halves of different ones, without a word
+        applies, group = placement_group(self.placement)
+        if applies:
+            check_models_agree({"actor": state.actor, "ref": state.ref, "critic": state.critic}, "Plan.shard", group)
         actor_mesh = self.placement.mesh("actor")
         if not self.placement.colocated("actor", "rollout"):
             return self._shard_split(state)

@@ -283,8 +283,10 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     """Load a full state dict into a (sharded) model; each rank keeps only its shard.
 
     ``from_rank0=True``: only rank 0 needs the tensors (others may pass ``{}``); they are
-    broadcast. Collective.
+    broadcast. Collective. ``state_dict`` itself is left as it was (its entries are not replaced).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0))
+    # a shallow copy: torch writes the loaded entries (this rank's DTensor shards) into the dict it
+    # is given, and the caller's full state dict (a notebook's "best weights") became shards
+    set_model_state_dict(model, dict(state_dict), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0))

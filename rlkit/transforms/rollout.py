@@ -108,7 +108,13 @@ def rollout(
     """Sample ``n`` responses per prompt; returns a Batch (prompt-major rows, ``group`` = prompt).
 
     ``seed`` defaults to ``fold_in(state.seed, state.step)``: the same state samples the same
-    responses, and a resumed run samples what the uninterrupted run would. Pass a different
+    responses, and a resumed run samples what the uninterrupted run would on the same number of
+    generation replicas. Lowered onto several replicas (``Pipeline.lower()`` on N processes, N/tp
+    with ``tp``, the rollout ranks of a split placement), each replica folds its index into the key
+    (``fold_in(key, "replica", i)``) for its share of the prompts, so sampled responses depend on
+    the number of replicas: N processes sample other responses than one, and a run resumed on
+    another number of processes continues with other samples. Greedy rollouts, and placements
+    with one replica, give one process's tokens. Pass a different
     seed (``rk.fold_in(state.seed, state.step, attempt)``) to resample within one step.
 
     ``engine``: None (the built-in :class:`rlkit.engines.TorchEngine`), a name ("torch", "hf",

@@ -1,0 +1,383 @@
+"""Cheap checks that every rank of a job brings the same model and the same settings.
+
+A setting that differs on one rank (a ``batch_size`` computed from ``RANK``, an argument given to
+one rank only, a model built with another seed) is not an error torch.distributed sees: the
+collectives still match up, so the run trains on a batch glued from two different batches, steps
+each FSDP shard at its own learning rate, or hangs in a collective one rank never enters. These
+checks cost one small all-gather and raise :class:`RanksDisagreeError` on every rank, naming what
+differs and on which ranks.
+
+- :func:`check_ranks_agree` compares a small dict of settings (``rk.fit`` calls it, through
+  :func:`check_fit_agrees`, once per call);
+- :func:`check_models_agree` compares a fingerprint of the full models each rank brings (names,
+  shapes, dtypes, and a float64 sum and sum of squares of every parameter); ``Plan.shard`` calls it
+  before sharding.
+
+On one process (or without torch.distributed) both are no-ops.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import re
+import zlib
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RanksDisagreeError", "check_ranks_agree", "check_models_agree", "check_fit_agrees", "fit_settings",
+           "lowered_group", "model_fingerprint", "placement_group"]
+
+
+class RanksDisagreeError(RuntimeError):
+    """The ranks of a job were given different settings or models; raised on every rank."""
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if _distributed() else 1
+
+
+def _global_ranks(group, size: int) -> list[int]:
+    if group is None:
+        return list(range(size))
+    return [dist.get_global_rank(group, i) for i in range(size)]
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _plain(value: Any) -> Any:
+    """A value every rank can compare with every other's: numbers, strings, None, tuples of them;
+    anything else becomes its repr without memory addresses (they differ between processes)."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return _plain(value.item())
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), _plain(v)) for k, v in value.items()))
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    return _ADDRESS.sub("", repr(value))
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _by_value(values: list[Any], ranks: list[int]) -> list[tuple[Any, list[int]]]:
+    """``[(value, [ranks holding it]), ...]`` in order of first appearance."""
+    out: list[tuple[Any, list[int]]] = []
+    for value, rank in zip(values, ranks):
+        for seen, holders in out:
+            if repr(seen) == repr(value):
+                holders.append(rank)
+                break
+        else:
+            out.append((value, [rank]))
+    return out
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+_MISSING = "<not given>"
+
+
+def check_ranks_agree(settings: Mapping[str, Any], what: str, group=None) -> None:
+    """Raise :class:`RanksDisagreeError` on every rank of ``group`` (default: all ranks) unless
+    every rank passes equal ``settings``; a no-op on one process.
+
+    ``settings``: a small dict of ints, floats, strings, ``None``, tuples or dicts of those (other
+    values are compared by their repr, without memory addresses). ``what``: what the settings are
+    for, the start of the message (e.g. ``"fit"``). One ``all_gather_object`` of the dict; every
+    rank of ``group`` must call it (it is a collective)."""
+    if not _distributed():
+        return
+    size = _size(group)
+    if size == 1:
+        return
+    mine = {str(k): _plain(v) for k, v in settings.items()}
+    everyone: list[Any] = [None] * size
+    dist.all_gather_object(everyone, mine, group=group)
+    ranks = _global_ranks(group, size)
+    keys: list[str] = []
+    for theirs in everyone:
+        keys.extend(k for k in theirs if k not in keys)
+    parts = []
+    for key in keys:
+        groups = _by_value([theirs.get(key, _MISSING) for theirs in everyone], ranks)
+        if len(groups) > 1:
+            parts.append(f"{key}: " + ", ".join(f"{_show(value)} on {_ranks_text(holders)}" for value, holders in groups))
+    if parts:
+        raise RanksDisagreeError(
+            f"{what}: the ranks disagree on {len(parts)} setting(s): " + "; ".join(parts) + ". Every rank must run the "
+            "same code with the same settings (a value computed from RANK, or an argument or config file given to one "
+            "rank only, trains each rank differently or hangs in a collective)"
+        )
+
+
+# --------------------------------------------------------------------------- models
+
+#: elements summed at a time (bounds the float64 temporary: 128 MiB)
+_CHUNK = 1 << 24
+
+
+def _sums(t: torch.Tensor) -> torch.Tensor:
+    """``[sum, sum of squares]`` of ``t`` in float64, on ``t``'s device, a chunk at a time."""
+    flat = t.reshape(-1)
+    total = torch.zeros(2, dtype=torch.float64, device=t.device)
+    for start in range(0, flat.numel(), _CHUNK):
+        chunk = flat[start : start + _CHUNK].to(torch.float64)
+        total[0] += chunk.sum()
+        total[1] += chunk.square().sum()
+    return total
+
+
+@torch.no_grad()
+def model_fingerprint(models: Mapping[str, torch.nn.Module | None]) -> list[tuple]:
+    """``[(role.name, shape, dtype, sum, sum of squares), ...]`` of every parameter of ``models``
+    (``{"actor": module, ...}``; ``None`` entries skipped), the sums computed where the parameters
+    are (one device-to-host copy in all). Sharded (DTensor) or meta parameters get ``None`` sums."""
+    from torch.distributed.tensor import DTensor
+
+    rows: list[tuple] = []
+    pending: list[torch.Tensor] = []
+    index: list[int] = []
+    for role, module in models.items():
+        if module is None:
+            continue
+        for name, p in module.named_parameters():
+            t = p.detach()
+            rows.append((f"{role}.{name}", tuple(t.shape), str(t.dtype), None, None))
+            if isinstance(t, DTensor) or t.is_meta or not (t.is_floating_point() or t.is_complex()):
+                continue
+            if t.is_complex():
+                t = torch.view_as_real(t)
+            index.append(len(rows) - 1)
+            pending.append(_sums(t).cpu())
+    if pending:
+        values = torch.stack(pending).tolist()
+        for i, (s, sq) in zip(index, values):
+            rows[i] = rows[i][:3] + (s, sq)
+    return rows
+
+
+def _close(a: float | None, b: float | None, scale: float) -> bool:
+    if a is None or b is None:
+        return a is b
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    if math.isinf(a) or math.isinf(b):
+        return a == b
+    # float64 sums of the same values in another order (another device) differ by ~1e-16 x scale
+    return abs(a - b) <= 1e-9 * scale
+
+
+def _first_difference(prints: list[list[tuple]], ranks: list[int]) -> str | None:
+    """A sentence naming the first parameter whose fingerprint differs between the ranks, or None."""
+    longest = max(len(p) for p in prints)
+    for i in range(longest):
+        rows = [p[i] if i < len(p) else None for p in prints]
+        names = [r[0] if r is not None else "(no more parameters)" for r in rows]
+        if len(set(names)) > 1:
+            groups = _by_value(names, ranks)
+            return ("the parameter lists differ at position " + str(i) + ": "
+                    + ", ".join(f"{name!r} on {_ranks_text(holders)}" for name, holders in groups)
+                    + " (parameter counts: " + ", ".join(f"{len(p)} on rank {r}" for p, r in zip(prints, ranks)) + ")")
+        name = names[0]
+        for what, k in (("shape", 1), ("dtype", 2)):
+            values = [r[k] for r in rows]
+            if len(set(values)) > 1:
+                groups = _by_value(values, ranks)
+                return f"parameter {name!r} has {what} " + ", ".join(f"{v} on {_ranks_text(h)}" for v, h in groups)
+        numel = math.prod(rows[0][1]) if rows[0][1] else 1
+        squares = [r[4] for r in rows if r[4] is not None and math.isfinite(r[4])]
+        top = max(squares, default=0.0)
+        # sum |x| <= sqrt(numel * sum x^2): the scale of the sum's rounding error; the sum of squares is its own
+        scales = (math.sqrt(numel * top), top)
+
+        def same(a: tuple, b: tuple) -> bool:
+            return _close(a[3], b[3], scales[0]) and _close(a[4], b[4], scales[1])
+
+        if any(not same(r, rows[0]) for r in rows[1:]):
+            groups: list[tuple[tuple, list[int]]] = []
+            for r, rank in zip(rows, ranks):
+                for seen, holders in groups:
+                    if same(r, seen):
+                        holders.append(rank)
+                        break
+                else:
+                    groups.append((r, [rank]))
+            shown = ", ".join((f"float64 sum {g[3]:.10g}" if g[3] is not None else "(sharded or meta: not comparable)")
+                              + f" on {_ranks_text(h)}" for g, h in groups)
+            return f"parameter {name!r} (shape {tuple(rows[0][1])}, {rows[0][2]}) holds different values: {shown}"
+    return None
+
+
+def check_models_agree(models: Mapping[str, torch.nn.Module | None], what: str = "Plan.shard", group=None) -> None:
+    """Raise :class:`RanksDisagreeError` on every rank of ``group`` unless every rank holds the same
+    ``models`` (``{"actor": module, "ref": ..., "critic": ...}``): the same parameter names, shapes
+    and dtypes, and the same values (a float64 sum and sum of squares per parameter). One
+    ``all_gather_object`` of the fingerprint (a few numbers per parameter); a no-op on one process.
+    """
+    if not _distributed():
+        return
+    size = _size(group)
+    if size == 1:
+        return
+    mine = model_fingerprint(models)
+    everyone: list[Any] = [None] * size
+    dist.all_gather_object(everyone, mine, group=group)
+    ranks = _global_ranks(group, size)
+    problem = _first_difference(everyone, ranks)
+    if problem is not None:
+        raise RanksDisagreeError(
+            f"{what}: the ranks do not hold the same model: {problem}. Sharding would glue one model out of pieces of "
+            "different ones. Every rank must bring the same initial weights: build the model with the same seed on every "
+            "rank (e.g. rk.models.tiny(..., seed=0), or torch.manual_seed(0) before building it; not a seed derived from "
+            "RANK) or load it from the same directory (from_pretrained / a checkpoint) on every rank"
+        )
+
+
+# --------------------------------------------------------------------------- fit
+
+
+def _world_or(ranks) -> tuple[bool, Any]:
+    """``(applies, group)`` for a collective over ``ranks``: the default group when they are the
+    whole world; otherwise not applicable (a new group would be a collective over every rank)."""
+    if set(ranks) == set(range(dist.get_world_size())):
+        return True, None
+    return False, None
+
+
+def placement_group(placement) -> tuple[bool, Any]:
+    """``(applies, group)`` for a collective over the ranks of ``placement`` (every role's ranks):
+    the default group when they are the whole world, the actor's 1-D mesh when it holds them all;
+    not applicable on one process, for a local placement, or for ranks no group can be made of here."""
+    if not _distributed() or dist.get_world_size() == 1:
+        return False, None
+    from rlkit.parallel.mesh import mesh_ranks
+
+    meshes = [m for m in placement.meshes.values() if m is not None]
+    ranks = {r for m in meshes for r in mesh_ranks(m)}
+    if len(ranks) <= 1:
+        return False, None
+    applies, group = _world_or(ranks)
+    if applies:
+        return applies, group
+    actor = placement.meshes.get("actor")
+    if actor is not None and set(mesh_ranks(actor)) == ranks and actor.ndim == 1:
+        return True, actor.get_group()
+    return False, None
+
+
+def lowered_group(state) -> tuple[bool, Any]:
+    """``(applies, group)``: whether ``state`` is lowered onto several ranks (``Plan.shard``), and the
+    process group of the ranks it runs on (``None``: all ranks). ``applies`` is False for a state
+    that is not lowered (``rk.fit`` on a local plan may run on some ranks only, with settings of
+    their own) and on one process."""
+    if not _distributed() or dist.get_world_size() == 1:
+        return False, None
+    cache = getattr(state, "_cache", {}) or {}
+    split = cache.get("split")
+    if split is not None:
+        return _world_or(tuple(split.actor_ranks) + tuple(split.rollout_ranks))
+    dp = cache.get("dp")
+    if dp is None or dp.mesh is None:
+        return False, None
+    from rlkit.parallel.mesh import mesh_ranks
+
+    ranks = list(mesh_ranks(dp.mesh))
+    if len(ranks) <= 1:
+        return False, None
+    applies, group = _world_or(ranks)
+    if not applies and dp.mesh.ndim == 1:
+        return True, dp.mesh.get_group()
+    return applies, group
+
+
+def _recipe_settings(recipe) -> dict[str, Any]:
+    """``{"recipe": type name, "recipe.<field>": value, ...}``: the recipe behind ``recipe.step``
+    (``Plan.fit`` passes a namespace holding the recipe's bound ``step``)."""
+    import dataclasses
+
+    step = getattr(recipe, "step", None)
+    owner = getattr(step, "__self__", None)
+    obj = owner if owner is not None else recipe
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out: dict[str, Any] = {"recipe": type(obj).__qualname__}
+        for f in dataclasses.fields(obj):
+            out[f"recipe.{f.name}"] = getattr(obj, f.name)
+        return out
+    if owner is None and callable(step):
+        return {"recipe": step}  # a plain step function: by name
+    return {"recipe": obj}
+
+
+def _prompts_digest(prompts) -> Any:
+    """A checksum of up to 64 evenly spaced prompt rows (token ids), cheap for any size."""
+    ids = getattr(prompts, "ids", None)
+    if not ids:
+        return None
+    n = len(ids)
+    rows = sorted({i * (n - 1) // 63 for i in range(64)}) if n > 64 else range(n)
+    crc = 0
+    for i in rows:
+        crc = zlib.crc32(repr((i, list(ids[i]))).encode(), crc)
+    return crc
+
+
+def fit_settings(state, recipe, prompts, *, steps: int, batch_size: int, **more: Any) -> dict[str, Any]:
+    """The settings of an ``rk.fit`` call that every rank must share: ``steps``, ``batch_size``,
+    the recipe's fields, the optimizer's settings and current lr, the state's seed, step and data
+    position, and the prompt set's size and a checksum of some of its rows; ``more`` added as given."""
+    out: dict[str, Any] = {"steps": steps, "batch_size": batch_size}
+    out.update(_recipe_settings(recipe))
+    spec = getattr(state, "optimizer_spec", None)
+    if spec is not None:
+        fields = spec.to_dict() if callable(getattr(spec, "to_dict", None)) else {"spec": spec}
+        out.update({f"optimizer.{k}": v for k, v in fields.items()})
+    try:
+        groups = state.optimizer.param_groups
+        out["optimizer.current_lr"] = tuple(float(g["lr"]) for g in groups)
+    except Exception:  # noqa: BLE001 - no optimizer (a rollout-only rank), or a donated state
+        pass
+    for key in ("seed", "step", "data_position"):
+        try:
+            out[f"state.{key}"] = getattr(state, key)
+        except Exception:  # noqa: BLE001
+            pass
+    out["prompts.count"] = len(prompts) if hasattr(prompts, "__len__") else None
+    out["prompts.checksum"] = _prompts_digest(prompts)
+    out.update(more)
+    return out
+
+
+def check_fit_agrees(state, recipe, prompts, *, steps: int, batch_size: int, what: str = "fit", **more: Any) -> None:
+    """:func:`check_ranks_agree` on :func:`fit_settings`, over the ranks ``state`` is lowered onto:
+    one collective per ``rk.fit`` call; a no-op on one process and for a state that is not lowered
+    (``Plan.shard``), which may be trained on some ranks only."""
+    applies, group = lowered_group(state)
+    if not applies:
+        return
+    settings = fit_settings(state, recipe, prompts, steps=steps, batch_size=batch_size, **more)
+    if "split" in (getattr(state, "_cache", {}) or {}):
+        # a split placement's generation ranks build no optimizer of their own (Plan._shard_split)
+        settings.pop("optimizer.current_lr", None)
+    check_ranks_agree(settings, what, group)
