@@ -252,18 +252,7 @@ class _Tail(threading.Thread):
         """Global ranks on this machine whose process is gone (or a zombie) without the marker a
         worker writes when Python leaves ``fn`` by any road: ``os._exit(0)`` inside ``fn``, say.
         torch elastic counts on a return value from every worker and would poll forever for it."""
-        host, out = socket.gethostname(), []
-        for path in glob.glob(os.path.join(self.run_dir, "workers", "rank*.pid")):
-            if os.path.exists(path[: -len(".pid")] + ".done"):
-                continue
-            try:
-                with open(path, encoding="utf-8") as f:
-                    where, pid = f.read().split()
-            except (OSError, ValueError):
-                continue
-            if where == host and not _alive(int(pid)):
-                out.append(int(re.search(r"rank(\d+)\.pid$", path).group(1)))
-        return sorted(out)
+        return sorted(rank for rank, pid in _unfinished_workers(self.run_dir) if not _alive(pid))
 
     #: seconds a worker must stay gone without its marker before the launch is stopped: a worker
     #: that failed (an exception, a signal, OOM) is torch elastic's to report, within its monitor
@@ -496,9 +485,10 @@ def launch(
     return cloudpickle.loads(results[0][1])
 
 
-def _kill_leftover_workers(run_dir: str) -> list[int]:
-    """SIGKILL this machine's workers of the run that are still running ``fn``; their ranks."""
-    host, killed = socket.gethostname(), []
+def _unfinished_workers(run_dir: str):
+    """``(rank, pid)`` of this machine's workers of the run that have not written the marker a
+    worker writes when Python leaves ``fn``: still in ``fn``, or gone without leaving it."""
+    host = socket.gethostname()
     for path in glob.glob(os.path.join(run_dir, "workers", "rank*.pid")):
         if os.path.exists(path[: -len(".pid")] + ".done"):
             continue
@@ -507,10 +497,18 @@ def _kill_leftover_workers(run_dir: str) -> list[int]:
                 where, pid = f.read().split()
         except (OSError, ValueError):
             continue
-        if where == host and _alive(int(pid)):
+        if where == host:
+            yield int(re.search(r"rank(\d+)\.pid$", path).group(1)), int(pid)
+
+
+def _kill_leftover_workers(run_dir: str) -> list[int]:
+    """SIGKILL this machine's workers of the run that are still running ``fn``; their ranks."""
+    killed = []
+    for rank, pid in _unfinished_workers(run_dir):
+        if _alive(pid):
             try:
-                os.kill(int(pid), signal.SIGKILL)
-                killed.append(int(re.search(r"rank(\d+)\.pid$", path).group(1)))
+                os.kill(pid, signal.SIGKILL)
+                killed.append(rank)
             except OSError:
                 pass
     return sorted(killed)
