@@ -49,6 +49,8 @@ def _global_ranks(group, size: int) -> list[int]:
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+#: a device index in a repr: each rank's own GPU ("cuda:1", "index=1"), the same setting on every rank
+_DEVICE_INDEX = re.compile(r"\b(cuda|xpu|mps|hpu|npu):\d+|(device\(type='[a-z]+'), index=\d+\)")
 
 
 def _plain(value: Any) -> Any:
@@ -63,15 +65,19 @@ def _plain(value: Any) -> Any:
         return value if math.isfinite(value) else repr(value)
     if isinstance(value, torch.dtype):
         return str(value)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return _plain(value.item())
+    if isinstance(value, torch.device):  # each rank its own GPU: only the kind must agree
+        return f"device({value.type})"
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1:
+            return _plain(value.item())
+        return f"tensor{tuple(value.shape)} {value.dtype}"  # not its values' repr, which names its device
     if isinstance(value, (list, tuple)):
         return tuple(_plain(v) for v in value)
     if isinstance(value, Mapping):
         return tuple(sorted((str(k), _plain(v)) for k, v in value.items()))
     if callable(value) and hasattr(value, "__qualname__"):
         return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
-    return _ADDRESS.sub("", repr(value))
+    return _DEVICE_INDEX.sub(lambda m: m.group(1) or m.group(2) + ")", _ADDRESS.sub("", repr(value)))
 
 
 def _show(value: Any) -> str:

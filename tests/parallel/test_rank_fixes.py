@@ -359,3 +359,27 @@ def test_group_signals_and_ctrl_c_save_the_step_reached_every_time_and_a_sigkill
     # the real SIGKILL of rank 1 (the OOM killer) while rank 0 waits in a collective: rank 1 is named
     assert killed is not None and killed["rank"] == 1, killed
     assert killed["first"].startswith("worker rank 1 was killed by signal SIGKILL"), killed
+
+
+def test_settings_that_name_each_ranks_own_device_compare_equal():
+    # each rank drives its own GPU: a recipe or engine field naming cuda:0 on rank 0 and cuda:1 on
+    # rank 1 is the same setting, and the check must not call it a disagreement
+    import torch
+
+    from rlkit.parallel.agree import _plain
+
+    class Engine:
+        def __init__(self, device):
+            self.device = device
+
+        def __repr__(self):
+            return f"Engine(device={self.device!r}, dtype=torch.bfloat16)"
+
+    for rank0, rank1 in ((torch.device("cuda", 0), torch.device("cuda", 1)), (Engine("cuda:0"), Engine("cuda:1")),
+                         (Engine(torch.device("cuda", 0)), Engine(torch.device("cuda", 1))),
+                         ({"w": torch.ones(2, device="cpu")}, {"w": torch.zeros(2, device="cpu")})):
+        assert _plain(rank0) == _plain(rank1), (rank0, rank1)
+    # what does differ still does: the kind of device, a scalar's value
+    assert _plain(torch.device("cuda", 0)) != _plain(torch.device("cpu"))
+    assert _plain(Engine("cuda:0")) != _plain(Engine("cpu"))
+    assert _plain(torch.tensor(0.1)) != _plain(torch.tensor(0.2))
