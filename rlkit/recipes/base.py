@@ -89,10 +89,14 @@ class Recipe:
         from rlkit.algos import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_PENALTIES
         from rlkit.transforms.update import _resolve_loss
 
+        default_agg = next(f.default for f in fields(self) if f.name == "agg")
         try:
-            loss_fn, _, _, loss_accepts = _resolve_loss(self.loss, self.loss_kw)
             if self.agg is not None:
                 AGGREGATIONS.get(self.agg)
+            # an agg the loss cannot receive is refused as update refuses it (only a non-default one:
+            # the class's own default is what its loss is written for)
+            _resolve_loss(self.loss, self.loss_kw, self.agg if self.agg != default_agg else None,
+                          drop_agg=f"drop agg (agg={default_agg!r})")
             # and the estimator, the KL mode and the engine: they failed after the first rollout
             estimator = getattr(self, "estimator", None)
             if isinstance(estimator, str):
@@ -101,16 +105,6 @@ class Recipe:
                 KL_PENALTIES.get(self.kl[0])
         except (KeyError, ValueError, TypeError) as e:
             raise ValueError(f"{name}: {e}") from None
-        default_agg = next(f.default for f in fields(self) if f.name == "agg")
-        if self.agg is not None and self.agg != default_agg and loss_accepts is not None and "agg" not in loss_accepts:
-            # update passes a loss only the keywords it declares: the policy term kept the loss's own
-            # aggregation while the KL and entropy terms took this one, without a word
-            shown = getattr(loss_fn, "__name__", repr(loss_fn))
-            agg = self.agg if isinstance(self.agg, str) else getattr(self.agg, "__name__", repr(self.agg))
-            raise ValueError(f"{name}: agg={agg!r} cannot reach the policy loss {shown!r}, which has no 'agg' parameter (nor "
-                             f"**kwargs): its own aggregation would be used while the KL and entropy terms used {agg!r}. Add an "
-                             f"'agg' parameter to {shown} (update passes it by keyword; rk.algos.aggregate(loss_mat, mask, agg, ...) "
-                             f"applies it), or drop agg (agg={default_agg!r})")
         from rlkit.transforms.rollout import ENGINES
 
         if self.engine is not None and not (self.engine in ENGINES if isinstance(self.engine, str) else callable(getattr(self.engine, "generate", None))):

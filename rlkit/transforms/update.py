@@ -53,7 +53,7 @@ def _loss_name(fn: Callable) -> str:
     return getattr(fn, "__name__", None) or repr(fn)
 
 
-def _resolve_loss(loss: LossSpec, loss_kw: Mapping[str, Any] | None, agg: Any = None):
+def _resolve_loss(loss: LossSpec, loss_kw: Mapping[str, Any] | None, agg: Any = None, drop_agg: str = "leave agg=None"):
     """``(fn, kwargs, wants_generator, accepted keywords or None for **kwargs)`` of a policy loss.
 
     ``agg``: the update's aggregation; a non-None one is refused for a loss that cannot receive it
@@ -83,7 +83,7 @@ def _resolve_loss(loss: LossSpec, loss_kw: Mapping[str, Any] | None, agg: Any = 
             f"agg={shown!r} cannot reach the policy loss {name!r}, which has no 'agg' parameter (nor **kwargs): its own "
             f"aggregation would be used while the KL and entropy terms used {shown!r}. Add an 'agg' parameter to {name} "
             "(update passes it by keyword; rk.algos.aggregate(loss_mat, response_mask, agg, num_tokens=..., num_seqs=..., "
-            "horizon=...) applies it), or leave agg=None"
+            f"horizon=...) applies it), or {drop_agg}"
         )
     return fn, kw, "generator" in params, accepted
 
