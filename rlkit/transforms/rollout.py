@@ -353,20 +353,19 @@ def concat(batches: Sequence[Batch]) -> Batch:
     """Concatenate batches, renumbering ``group`` ids so groups from different calls never merge."""
     if not batches:
         raise ValueError("concat needs at least one batch")
-    # a batch sampled with top-k/top-p marks its rows (logprobs_filtered); concatenated with one
-    # sampled without, the other's rows get False (torch.cat needs the same fields in every part)
-    flagged = any(FILTERED in b.keys() for b in batches)
-    # likewise the recorded temperature: a batch without one (make_batch) is at 1.0, as update reads it
-    tempered = any(TEMPERATURE in b.keys() for b in batches)
+    # per-row fields a part may lack, filled where another part has them (torch.cat needs the same
+    # fields in every part): rows sampled without top-k/top-p are not logprobs_filtered, and a batch
+    # without a recorded temperature (make_batch) is at 1.0, as update reads it
+    fills = {k: v for k, v in {FILTERED: (torch.bool, False), TEMPERATURE: (torch.float32, 1.0)}.items()
+             if any(k in b.keys() for b in batches)}
     widths_p = max(b["prompt_ids"].shape[1] for b in batches)
     widths_t = max(b["response_ids"].shape[1] for b in batches)
     parts, offset = [], 0
     for b in batches:
         b = shallow_copy(b)
-        if flagged and FILTERED not in b.keys():
-            b.set(FILTERED, torch.zeros(b.batch_size[0], dtype=torch.bool, device=b["response_ids"].device))
-        if tempered and TEMPERATURE not in b.keys():
-            b.set(TEMPERATURE, torch.ones(b.batch_size[0], dtype=torch.float32, device=b["response_ids"].device))
+        for key, (dtype, value) in fills.items():
+            if key not in b.keys():
+                b.set(key, torch.full((b.batch_size[0],), value, dtype=dtype, device=b["response_ids"].device))
         for k in list(b.keys()):
             v = b.get(k)
             if isinstance(v, torch.Tensor) and v.dim() == 2:
