@@ -15,6 +15,8 @@ from rlkit.observe.sinks import broadcast, rewind_all
 
 #: ``state.extras`` key of the batch size that ``state.data_position`` counts batches of
 BATCH_SIZE_KEY = "fit/batch_size"
+#: ``state.extras`` key of the fingerprint (:meth:`PromptSet.fingerprint`) of the prompts it counts
+PROMPTS_KEY = "fit/prompts"
 
 
 def fit(
@@ -41,7 +43,10 @@ def fit(
     ``state.extras["fit/batch_size"]``, saved in checkpoints): resumed with another ``batch_size``,
     the position is converted when the prompts used so far in the current epoch are a whole number
     of new batches (the run goes on with the next unseen prompt), and refused with a ``ValueError``
-    otherwise (the new batches would repeat some prompts and skip others).
+    otherwise (the new batches would repeat some prompts and skip others). A fingerprint of the
+    prompt set (:meth:`rlkit.data.PromptSet.fingerprint`, in ``state.extras["fit/prompts"]``) is
+    kept with the position too: resumed on other prompts, ``fit`` warns (``RuntimeWarning``) and
+    goes on at the same position of the new set.
 
     ``eval_fn(state) -> {"accuracy": ...}`` runs every ``eval_every`` steps and after the last step
     (``eval_every=0``: never); ``checkpointer.maybe_save(state)`` is called after every step when
@@ -87,6 +92,7 @@ def fit(
     if state.step < steps:
         _check_prompt_lengths(state, recipe, prompts)
     position = _data_position(state, prompts, batch_size)
+    fingerprint = _check_same_prompts(state, prompts, position)
     if state.step > 0:
         rewind_all(sinks, state.step)
     t_start = time.perf_counter()
@@ -99,8 +105,8 @@ def fit(
                 state, metrics = _checked_step_output(recipe.step(state, batch_prompts, reward), recipe)
                 position += 1
                 extras = state.extras
-                if extras.get(BATCH_SIZE_KEY) != batch_size:
-                    extras = {**extras, BATCH_SIZE_KEY: batch_size}
+                if extras.get(BATCH_SIZE_KEY) != batch_size or extras.get(PROMPTS_KEY) != fingerprint:
+                    extras = {**extras, BATCH_SIZE_KEY: batch_size, PROMPTS_KEY: fingerprint}
                 state = state.replace(data_position=position, extras=extras)
                 metrics["time/step_s"] = time.perf_counter() - t0
                 metrics["time/elapsed_s"] = time.perf_counter() - t_start
@@ -214,6 +220,23 @@ def _data_position(state, prompts, batch_size: int) -> int:
             f"not a whole number of batches of {batch_size}, so the new batches would repeat some prompts and skip others. "
             f"Pass batch_size={before} (or one that divides {used}), or start the data over with state.replace(data_position=0)")
     return epoch * (n // batch_size) + used // batch_size
+
+
+def _check_same_prompts(state, prompts, position: int) -> str | None:
+    """The prompts' fingerprint; a warning when the state's ``data_position`` counts batches of
+    another prompt set (its fingerprint, kept in ``state.extras``, differs): the run goes on at the
+    same position of the new set, which a changed data set rarely means."""
+    fingerprint = prompts.fingerprint() if callable(getattr(prompts, "fingerprint", None)) else None
+    before = state.extras.get(PROMPTS_KEY)
+    if position and fingerprint is not None and before is not None and before != fingerprint:
+        import warnings
+
+        warnings.warn(
+            f"fit: the state's data_position={position} counts batches of another prompt set than these {len(prompts)} "
+            f"prompts (fingerprint {before} in state.extras[{PROMPTS_KEY!r}], these prompts {fingerprint}): the run goes "
+            f"on at batch {position} of the new set. If that is not what you meant, pass the run's own prompts, or start the "
+            f"data over with state.replace(data_position=0)", RuntimeWarning, stacklevel=3)
+    return fingerprint
 
 
 def _check_fit_args(state, recipe, reward, steps, sinks, checkpointer):
