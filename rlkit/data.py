@@ -247,6 +247,26 @@ def _rows(source: Any, prompt_key: str) -> tuple[list[Any], list[str] | None]:
     return rows, None
 
 
+def prompt_fingerprint(prompts) -> str | None:
+    """A short digest of a prompt set's size and of the token ids of up to 256 evenly spaced rows
+    (``None`` for an object without ``ids``, or an empty one).
+
+    ``fit`` keeps it with ``state.data_position`` (in ``state.extras``), so that a run resumed on
+    other prompts is noticed (a position counts batches of one particular set), and the ranks of a
+    distributed ``fit`` compare it. Sampling rows keeps a million-prompt set to milliseconds; an
+    edit that leaves the size and the sampled rows alone goes unnoticed."""
+    import hashlib
+
+    ids = getattr(prompts, "ids", None)
+    if not ids:
+        return None
+    n = len(ids)
+    h = hashlib.sha256(str(n).encode())
+    for i in sorted({i * n // 256 for i in range(min(n, 256))}):
+        h.update(b"|" + ",".join(map(str, ids[i])).encode())
+    return h.hexdigest()[:16]
+
+
 @dataclass
 class PromptSet:
     """A tokenized prompt data set. Iterate batches with :meth:`batches`."""
@@ -265,21 +285,9 @@ class PromptSet:
         # without the cached epoch order (len(self) int64s), which is rebuilt on demand
         return {k: v for k, v in self.__dict__.items() if k != "_order_cache"}
 
-    def fingerprint(self) -> str:
-        """A short digest of the set's size and of the token ids of up to 256 evenly spaced rows.
-
-        ``fit`` keeps it with ``state.data_position`` (in ``state.extras``) so that a run resumed
-        on other prompts is noticed: a position counts batches of one particular prompt set. It
-        samples rows rather than hashing every token so that a million-prompt set costs
-        milliseconds; an edit that leaves the size and the sampled rows alone goes unnoticed."""
-        import hashlib
-
-        n = len(self)
-        rows = sorted({i * n // 256 for i in range(min(n, 256))})
-        h = hashlib.sha256(str(n).encode())
-        for i in rows:
-            h.update(b"|" + ",".join(map(str, self.ids[i])).encode())
-        return h.hexdigest()[:16]
+    def fingerprint(self) -> str | None:
+        """:func:`prompt_fingerprint` of this set."""
+        return prompt_fingerprint(self)
 
     def take(self, index: Sequence[int]) -> Prompts:
         return Prompts([self.text[i] for i in index], [self.ids[i] for i in index], {k: [v[i] for i in index] for k, v in self.columns.items()})

@@ -10,12 +10,12 @@ import time
 from typing import Any, Callable, Iterable, Mapping
 
 from rlkit._checks import int_at_least
-from rlkit.data import PromptSet, load_prompts
+from rlkit.data import PromptSet, load_prompts, prompt_fingerprint
 from rlkit.observe.sinks import broadcast, rewind_all
 
 #: ``state.extras`` key of the batch size that ``state.data_position`` counts batches of
 BATCH_SIZE_KEY = "fit/batch_size"
-#: ``state.extras`` key of the fingerprint (:meth:`PromptSet.fingerprint`) of the prompts it counts
+#: ``state.extras`` key of the fingerprint (:func:`rlkit.data.prompt_fingerprint`) of the prompts it counts
 PROMPTS_KEY = "fit/prompts"
 
 
@@ -44,7 +44,7 @@ def fit(
     the position is converted when the prompts used so far in the current epoch are a whole number
     of new batches (the run goes on with the next unseen prompt), and refused with a ``ValueError``
     otherwise (the new batches would repeat some prompts and skip others). A fingerprint of the
-    prompt set (:meth:`rlkit.data.PromptSet.fingerprint`, in ``state.extras["fit/prompts"]``) is
+    prompt set (:func:`rlkit.data.prompt_fingerprint`, in ``state.extras["fit/prompts"]``) is
     kept with the position too: resumed on other prompts, ``fit`` warns (``RuntimeWarning``) and
     goes on at the same position of the new set.
 
@@ -226,7 +226,7 @@ def _check_same_prompts(state, prompts, position: int) -> str | None:
     """The prompts' fingerprint; a warning when the state's ``data_position`` counts batches of
     another prompt set (its fingerprint, kept in ``state.extras``, differs): the run goes on at the
     same position of the new set, which a changed data set rarely means."""
-    fingerprint = prompts.fingerprint() if callable(getattr(prompts, "fingerprint", None)) else None
+    fingerprint = prompt_fingerprint(prompts)
     before = state.extras.get(PROMPTS_KEY)
     if position and fingerprint is not None and before is not None and before != fingerprint:
         import warnings

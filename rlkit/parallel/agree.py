@@ -20,11 +20,12 @@ from __future__ import annotations
 import math
 import numbers
 import re
-import zlib
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
+
+from rlkit.data import prompt_fingerprint
 
 __all__ = ["RanksDisagreeError", "check_ranks_agree", "check_models_agree", "check_fit_agrees", "fit_settings",
            "lowered_group", "model_fingerprint", "placement_group"]
@@ -336,19 +337,6 @@ def _recipe_settings(recipe) -> dict[str, Any]:
     return {"recipe": obj}
 
 
-def _prompts_digest(prompts) -> Any:
-    """A checksum of up to 64 evenly spaced prompt rows (token ids), cheap for any size."""
-    ids = getattr(prompts, "ids", None)
-    if not ids:
-        return None
-    n = len(ids)
-    rows = sorted({i * (n - 1) // 63 for i in range(64)}) if n > 64 else range(n)
-    crc = 0
-    for i in rows:
-        crc = zlib.crc32(repr((i, list(ids[i]))).encode(), crc)
-    return crc
-
-
 def fit_settings(state, recipe, prompts, *, steps: int, batch_size: int, **more: Any) -> dict[str, Any]:
     """The settings of an ``rk.fit`` call that every rank must share: ``steps``, ``batch_size``,
     the recipe's fields, the optimizer's settings and current lr, the state's seed, step and data
@@ -370,7 +358,7 @@ def fit_settings(state, recipe, prompts, *, steps: int, batch_size: int, **more:
         except Exception:  # noqa: BLE001
             pass
     out["prompts.count"] = len(prompts) if hasattr(prompts, "__len__") else None
-    out["prompts.checksum"] = _prompts_digest(prompts)
+    out["prompts.checksum"] = prompt_fingerprint(prompts)
     out.update(more)
     return out
 
