@@ -841,13 +841,20 @@ def load(
         sd[rng_key] = b""
 
     specs = _governing_specs(template, trainer, path)
-    plans = []
     trains = _trains_here(template)
+    # the saved spec's parameter groups (no_decay) when they differ from the template's: its
+    # optimizer state and schedule have one entry per group
+    rebuilt = _regroup(template, specs) if trains else {}
+
+    def current(key: str):
+        return rebuilt[key] if key in rebuilt else getattr(template, key)
+
+    plans = []
     for model_key, opt_key, sched_key in _TRAINED:
         model = getattr(template, model_key)
         if model is None or not trains:
             continue
-        optimizer = getattr(template, opt_key)
+        optimizer = current(opt_key)
         info = trainer["optimizers"].get(opt_key, {"initialized": False, "param_groups": None})
         if optimizer is not None and info["initialized"]:
             from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -870,7 +877,7 @@ def load(
         raise CheckpointCorruptError(f"checkpoint {path}: reading the tensors failed ({type(exc).__name__}: {str(exc)[:500]}); {_try_previous(path)}") from exc
 
     for model_key, opt_key, sched_key, info in plans:
-        model, optimizer = getattr(template, model_key), getattr(template, opt_key)
+        model, optimizer = getattr(template, model_key), current(opt_key)
         if optimizer is not None and info["initialized"]:
             set_state_dict(model, optimizer, model_state_dict=sd[model_key], optim_state_dict=sd[opt_key], options=_sd_options())
         else:
@@ -879,7 +886,7 @@ def load(
                 optimizer.state.clear()  # the saved optimizer never stepped: no moments, step 0
                 for group, saved in zip(optimizer.param_groups, info.get("param_groups") or []):
                     group.update(saved)
-        scheduler = getattr(template, sched_key)
+        scheduler = current(sched_key)
         saved_sched = trainer["schedulers"].get(sched_key)
         if scheduler is not None and saved_sched is not None:
             scheduler.load_state_dict(saved_sched)
@@ -911,9 +918,23 @@ def load(
         data_position=trainer["data_position"],
         extras=dict(trainer["extras"]),
         **specs,
+        **rebuilt,
     )
     template.donate("rlkit.checkpoint.load", restored)
     return restored
+
+
+def _regroup(template: TrainState, specs: dict[str, Any]) -> dict[str, Any]:
+    """Optimizers and schedulers rebuilt from a governing saved spec whose ``no_decay`` differs
+    from the template's (so their parameter groups match the saved state), by TrainState field."""
+    out: dict[str, Any] = {}
+    for model_key, opt_key, sched_key in _TRAINED:
+        spec, model = specs.get(_SPEC_OF[model_key]), getattr(template, model_key)
+        given = getattr(template, _SPEC_OF[model_key]) or (template.optimizer_spec if model_key == "critic" else None)
+        if spec is None or model is None or getattr(template, opt_key) is None or given is None or spec.no_decay == given.no_decay:
+            continue
+        out[opt_key], out[sched_key] = spec.build(model)
+    return out
 
 
 def _jsonable(x: Any) -> Any:
@@ -936,9 +957,13 @@ def _governing_specs(template: TrainState, trainer: dict[str, Any], path: Path) 
     from rlkit.optim import OptimizerSpec
 
     known = {f.name for f in dataclasses.fields(OptimizerSpec)}
+    # a field added since the checkpoint was written has its default there
+    defaults = {f.name: f.default for f in dataclasses.fields(OptimizerSpec) if f.default is not dataclasses.MISSING}
     out: dict[str, Any] = {}
     for field in _SPEC_OF.values():
         given, saved = getattr(template, field), trainer.get(field)
+        if saved is not None:
+            saved = {**defaults, **saved}
         if given is None or saved is None or _jsonable(given.to_dict()) == _jsonable(saved):
             continue
         values = {k: v for k, v in saved.items() if k in known}

@@ -1,11 +1,12 @@
 """Optimizer specs: a frozen description that builds (optimizer, LR schedule) for parameters.
 
 ``rk.optim.adamw(lr=3e-4, warmup_steps=10, total_steps=200, schedule="cosine")`` is a value you
-can print, compare and store in a config; ``spec.build(params)`` makes the torch objects, which
+can print, compare and store in a config; ``spec.build(model)`` makes the torch objects, which
 live in the TrainState so a checkpoint saves them.
 """
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass, asdict
 from typing import Iterable
@@ -16,6 +17,10 @@ from rlkit._checks import is_int, is_real
 
 SCHEDULES = ("constant", "cosine", "linear")
 
+#: ``no_decay`` patterns for the usual exclusion (biases and normalisation weights, as transformers'
+#: Trainer, and therefore TRL, leave out of weight decay): ``rk.optim.adamw(no_decay=rk.optim.NORMS_AND_BIASES)``
+NORMS_AND_BIASES = ("*bias", "*norm*.weight", "*ln_*.weight")
+
 
 @dataclass(frozen=True)
 class OptimizerSpec:
@@ -23,7 +28,14 @@ class OptimizerSpec:
     ``lr`` a finite number > 0; ``eps`` and ``weight_decay`` finite numbers >= 0; ``betas`` two
     numbers in [0, 1); ``warmup_steps`` an int >= 0; ``total_steps`` None or an int >= 1, required
     by the decaying schedules ("cosine", "linear"), which also need ``warmup_steps <=
-    total_steps``; ``min_lr_ratio`` in [0, 1]; ``fused`` a bool or None (rlkit picks)."""
+    total_steps``; ``min_lr_ratio`` in [0, 1]; ``fused`` a bool or None (rlkit picks).
+
+    ``no_decay``: shell-style patterns (``fnmatch``) over parameter names as
+    ``model.named_parameters()`` gives them; the parameters they match get no weight decay (a second
+    parameter group with ``weight_decay=0``). Empty (the default, as verl): every parameter decays.
+    :data:`NORMS_AND_BIASES` is the usual choice. Patterns that together match no parameter are
+    an error (a typo would otherwise decay what it meant to exclude); one of several may match
+    nothing (a model without biases, say)."""
 
     lr: float = 1e-6
     betas: tuple[float, float] = (0.9, 0.999)
@@ -34,6 +46,7 @@ class OptimizerSpec:
     schedule: str = "constant"
     min_lr_ratio: float = 0.0
     fused: bool | None = None
+    no_decay: tuple[str, ...] = ()
 
     def __post_init__(self):
         # types first: a YAML "1e-3" is a string, and a fractional warmup (0.1 * steps) made the
@@ -72,6 +85,11 @@ class OptimizerSpec:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.fused is not None and not isinstance(self.fused, bool):
             raise ValueError(f"fused must be True, False or None (rlkit picks), got {self.fused!r}")
+        no_decay = self.no_decay
+        if isinstance(no_decay, str) or not isinstance(no_decay, (tuple, list)) or not all(isinstance(p, str) and p for p in no_decay):
+            raise ValueError(f"no_decay must be a tuple of name patterns such as ('*bias', '*norm*.weight'), got {no_decay!r}"
+                             + (f" (one pattern: no_decay=({no_decay!r},))" if isinstance(no_decay, str) else ""))
+        object.__setattr__(self, "no_decay", tuple(no_decay))  # a list from a config file: hashable, comparable
 
     def lr_factor(self, step: int) -> float:
         """Multiplier of ``lr`` at optimizer step ``step`` (0-based): linear warmup, then decay."""
@@ -87,8 +105,12 @@ class OptimizerSpec:
             decay = 1.0 - progress
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay
 
-    def build(self, params: Iterable[torch.nn.Parameter]):
-        params = [p for p in params if p.requires_grad]
+    def build(self, params: torch.nn.Module | Iterable[torch.nn.Parameter] | Iterable[tuple[str, torch.nn.Parameter]]):
+        """``(optimizer, scheduler)`` for a model (or its ``named_parameters()``, or, without
+        ``no_decay``, its ``parameters()``); parameters that do not require grad are left out."""
+        named = _named(params, bool(self.no_decay))
+        named = [(name, p) for name, p in named if p.requires_grad]
+        params = [p for _, p in named]
         kwargs = dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
         if self.fused is not None:
             kwargs["fused"] = self.fused
@@ -101,14 +123,44 @@ class OptimizerSpec:
             # on parameters shaped like benchmarks/grpo_step.py's CPU preset (twelfth session,
             # benchmarks/HISTORY.md). It equals the loop up to float rounding (tests/test_state.py).
             kwargs["fused"] = True
-        optimizer = torch.optim.AdamW(params, **kwargs)
+        optimizer = torch.optim.AdamW(self._groups(named), **kwargs)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor)
         return optimizer, scheduler
+
+    def _groups(self, named: list[tuple[str, torch.nn.Parameter]]) -> list:
+        """The parameters as AdamW groups: all in one, or the decayed ones and those ``no_decay``
+        matches (``weight_decay=0``), each group only if it has parameters."""
+        if not self.no_decay:
+            return [p for _, p in named]
+        excluded = {name for name, _ in named if any(fnmatch.fnmatchcase(name, pat) for pat in self.no_decay)}
+        if not excluded and named:
+            sample = ", ".join(name for name, _ in named[:4])
+            raise ValueError(f"optimizer no_decay={self.no_decay} matches no trained parameter (names look like: {sample}, ...); "
+                             f"fix the patterns (fnmatch-style, e.g. '*bias', '*norm*.weight') or drop no_decay")
+        decayed = [p for name, p in named if name not in excluded]
+        plain = [p for name, p in named if name in excluded]
+        return ([{"params": decayed}] if decayed else []) + ([{"params": plain, "weight_decay": 0.0}] if plain else [])
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+def _named(params, need_names: bool) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(name, parameter)`` pairs from a module, named pairs or bare parameters (named by
+    position, which ``no_decay`` cannot match: refused when it is set)."""
+    if isinstance(params, torch.nn.Module):
+        return list(params.named_parameters())
+    items = list(params)
+    if all(isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) for item in items):
+        return items
+    if need_names:
+        raise ValueError("the optimizer spec has no_decay patterns, which match parameter names, but build() got bare "
+                         "parameters; pass the model (spec.build(model)) or model.named_parameters()")
+    return [(str(i), p) for i, p in enumerate(items)]
+
+
 def adamw(lr: float = 1e-6, **kwargs) -> OptimizerSpec:
-    """AdamW with optional linear warmup and cosine/linear decay (verl's actor defaults: lr 1e-6, wd 0.01)."""
+    """AdamW with optional linear warmup and cosine/linear decay (verl's actor defaults: lr 1e-6, wd 0.01,
+    every parameter decayed; ``no_decay=rk.optim.NORMS_AND_BIASES`` leaves biases and norm weights
+    out, as transformers' Trainer does). Keywords: the fields of :class:`OptimizerSpec`."""
     return OptimizerSpec(lr=lr, **kwargs)

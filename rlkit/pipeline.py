@@ -277,10 +277,10 @@ class Plan:
             cache["ref_module"] = fsdp.shard_model(LogprobModule(state.ref), actor_mesh, **opts)
         # optimizers must see the sharded (DTensor) parameters: rebuild them from the spec
         spec = state.optimizer_spec
-        optimizer, scheduler = spec.build(actor.parameters())
+        optimizer, scheduler = spec.build(actor)
         if state.critic is not None:
             # the critic's own spec (init's critic_optimizer): it was rebuilt with the actor's
-            critic_opt, critic_sched = (state.critic_optimizer_spec or spec).build(state.critic.parameters())
+            critic_opt, critic_sched = (state.critic_optimizer_spec or spec).build(state.critic)
         else:
             critic_sched = None
         return state.replace(optimizer=optimizer, scheduler=scheduler, critic_optimizer=critic_opt,
@@ -324,7 +324,7 @@ class Plan:
                     activation_checkpointing=self.activation_checkpointing, gradient_reduction="sum")
         cache.update(actor_module=fsdp.shard_model(LogprobModule(actor), mesh, **opts),
                      dp=DataParallel(mesh, list(actor_ranks).index(me), len(actor_ranks)), grad_reduce=self.grad_reduce)
-        optimizer, scheduler = state.optimizer_spec.build(actor.parameters())
+        optimizer, scheduler = state.optimizer_spec.build(actor)
         return state.replace(optimizer=optimizer, scheduler=scheduler, _cache=cache)
 
     def _split_sync(self, state: TrainState) -> dict[str, float]:

@@ -91,7 +91,7 @@ def warmup(
 
     device = next(model.parameters()).device
     spec = adamw(lr=lr, weight_decay=0.0, warmup_steps=min(warmup_steps, steps), total_steps=steps, schedule="cosine", min_lr_ratio=0.1)
-    optimizer, scheduler = spec.build(model.parameters())
+    optimizer, scheduler = spec.build(model)
     rng = random.Random(seed)
     history = []
     sinks = list(sinks) + ([CallbackSink(on_step)] if on_step is not None else [])

@@ -226,7 +226,7 @@ def _optimizers_follow(values: dict, new: set[str], changes: dict) -> None:
         # a fresh AdamW from the state's spec (moments belong to parameters: the old ones are the
         # replaced model's), its schedule continued where the old one was
         old_scheduler = values[sched_key]
-        values[opt_key], values[sched_key] = spec.build(model.parameters())
+        values[opt_key], values[sched_key] = spec.build(model)
         done = getattr(old_scheduler, "last_epoch", 0)
         if done:
             values[sched_key].last_epoch = done
@@ -238,7 +238,7 @@ def _optimizers_follow(values: dict, new: set[str], changes: dict) -> None:
             raise ValueError(
                 f"TrainState.replace: {opt_key} does not hold the parameters of the {model_key} (it was built for the "
                 f"replaced one, so the new {model_key} would never train); pass {opt_key}= and "
-                f"{opt_key.replace('optimizer', 'scheduler')}= built for it (spec.build({model_key}.parameters())), "
+                f"{opt_key.replace('optimizer', 'scheduler')}= built for it (spec.build({model_key})), "
                 "or start over with rk.init")
 
 
@@ -336,11 +336,11 @@ def init(
         ref = copy.deepcopy(model)
     if ref is not None:
         ref = ref.to(next(model.parameters()).device).eval().requires_grad_(False)
-    opt, sched = spec.build(model.parameters())
+    opt, sched = spec.build(model)
     c_opt = c_sched = None
     if critic is not None:
         critic = critic.to(next(model.parameters()).device)
-        c_opt, c_sched = (critic_optimizer or spec).build(critic.parameters())
+        c_opt, c_sched = (critic_optimizer or spec).build(critic)
     from rlkit.models.compile import maybe_compile
 
     for module in (model, ref, critic):
