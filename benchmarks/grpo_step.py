@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 
 import torch
 
@@ -497,6 +498,8 @@ def print_table(res: dict, trl: dict | None) -> None:
     ]
     if res.get("clipfrac_vs_behaviour_step1") is not None:
         rows.append(("clip fraction vs behaviour, step 1", f"{res['clipfrac_vs_behaviour_step1']:.4f}"))
+    if res.get("weights_a_step_can_move") is not None:
+        rows.append(("bf16 weights a step of lr can move", f"{res['weights_a_step_can_move']:.0%} (rk.state.movable_fraction)"))
     if res.get("peak_memory_gb") is not None:
         rows.append(("peak GPU memory", f"{res['peak_memory_gb']:.1f} GB"))
     if trl:
@@ -634,7 +637,16 @@ def main(argv=None) -> dict:
     result["keep_logits"] = L.KEEP_LOGITS
     wl, model, tok, texts = build(args.preset, device)
     n_params = param_count(model)
-    state = init(model, adamw(lr=wl.lr), tokenizer=tok, ref="copy" if wl.beta else None)
+    from rlkit.state import movable_fraction
+
+    # TRL's setting as the comparison runs it (bf16 weights, lr 1e-6): most of each step rounds away
+    # in bf16 for both; rk.init warns of it, and the result records the share a step can move
+    moved = movable_fraction(model, wl.lr)
+    if moved is not None:
+        result["weights_a_step_can_move"] = moved
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*optimizer step changes only", category=RuntimeWarning)
+        state = init(model, adamw(lr=wl.lr), tokenizer=tok, ref="copy" if wl.beta else None)
     prompts = as_prompts(texts, tok)
 
     if args.check and gpu:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 import torch
 from torch import nn
 
+from rlkit._checks import is_int
 from rlkit.optim import OptimizerSpec
 
 
@@ -327,7 +329,15 @@ def init(
     from rlkit.optim import adamw
 
     _check_init_args(model, optimizer, tokenizer, ref, critic, critic_optimizer)
+    if not (is_int(seed) and 0 <= seed < 2**63):
+        # fold_in hashed 1.5 and "0" as other seeds than 1 and 0; rollout refuses them the same way
+        raise ValueError(f"rk.init: seed must be an int in [0, 2**63) (the root of every rollout's and shuffle's "
+                         f"randomness), got {seed!r}")
+    _warn_dropout(model)
     spec = optimizer or adamw()
+    _warn_low_precision(model, spec, "actor")
+    if critic is not None:
+        _warn_low_precision(critic, critic_optimizer or spec, "critic")
     if device is not None:
         model = model.to(_checked_device(device))
     if tokenizer is None:
@@ -361,6 +371,77 @@ def init(
     )
 
 
+#: share of a model's trainable weights that an AdamW step of size ``lr`` must be able to move
+#: in their own dtype; below it, :func:`init` warns that most of the update is rounded away
+LOW_PRECISION_MOVABLE = 0.5
+
+
+def movable_fraction(model: nn.Module, lr: float, sample: int = 1 << 20) -> float | None:
+    """The share of ``model``'s trainable bf16/fp16 weights that a change of ``lr`` survives in their
+    own dtype (a step is kept when it is at least half the spacing of representable numbers at the
+    weight: round to nearest), estimated on about ``sample`` evenly spaced elements; None when no
+    trainable weight is bf16/fp16. AdamW's steps are about ``lr`` in size, so at lr 1e-6 a bf16
+    weight of 0.02 (spacing 1.2e-4) never changes: there is no float32 master copy in rk.update."""
+    params = [p for p in model.parameters() if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)]
+    if not params:
+        return None
+    total = sum(p.numel() for p in params)
+    stride = max(1, total // sample)
+    moved = seen = 0
+    with torch.no_grad():
+        for p in params:
+            w = p.detach().reshape(-1)[::stride].float().abs()
+            if not w.numel():
+                continue
+            # spacing at |w|: eps * 2**floor(log2|w|); zeros (and subnormals) move with any step
+            spacing = torch.finfo(p.dtype).eps * torch.exp2(torch.floor(torch.log2(w.clamp_min(torch.finfo(p.dtype).tiny))))
+            moved += int((lr >= spacing / 2).sum())
+            seen += w.numel()
+    return moved / seen if seen else None
+
+
+def _warn_low_precision(model: nn.Module, spec: OptimizerSpec, role: str) -> None:
+    """Warn when most of ``model``'s trainable weights are bf16/fp16 and too large for a step of
+    ``spec.lr`` to change them (:func:`movable_fraction`)."""
+    share = movable_fraction(model, float(spec.lr))
+    if share is None or share >= LOW_PRECISION_MOVABLE:
+        return
+    dtype = next(p.dtype for p in model.parameters() if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16))
+    warnings.warn(
+        f"rk.init: the {role}'s trainable weights are {str(dtype).replace('torch.', '')} and at lr={spec.lr:g} an "
+        f"optimizer step changes only {share:.0%} of them: the rest round back to the same value (rk.update keeps no "
+        "float32 master copy on one device). Fix: train in float32 (load or build the model with "
+        "dtype=torch.float32), or lower the pipeline with FSDP mixed precision (Pipeline.lower(mixed_precision=True): "
+        "float32 sharded weights, bf16 compute), or raise lr to where steps are kept "
+        "(rk.state.movable_fraction(model, lr) measures it)",
+        RuntimeWarning, stacklevel=3,
+    )
+
+
+def _warn_dropout(model: nn.Module) -> None:
+    """Warn (once per init) that the actor has dropout on: update's forward runs in training mode,
+    rollouts and compute_old_logprobs in eval mode, so its log-probs carry the dropout noise."""
+    from rlkit.models.build import active_dropout
+
+    modules, fields = active_dropout(model)
+    if not modules and not fields:
+        return
+    parts = []
+    if modules:
+        parts.append(f"{len(modules)} module(s) with dropout > 0 (e.g. {', '.join(modules[:3])})")
+    if fields:
+        parts.append(f"attention dropout in its config ({', '.join(fields)})")
+    warnings.warn(
+        f"rk.init: the actor has dropout on: {' and '.join(parts)}. rk.update computes its log-probs in training "
+        "mode, with dropout, while rollouts and compute_old_logprobs run in eval mode: the training log-probs are "
+        "noisy, PPO's ratio is not 1 even on an on-policy batch (a share of the tokens clips on the first step), and "
+        "the actor/logprob_gap metrics measure the dropout noise rather than the engine. Fix: "
+        "model = rk.models.disable_dropout(model) before rk.init (as TRL's disable_dropout=True), unless you mean "
+        "to train with dropout",
+        RuntimeWarning, stacklevel=3,
+    )
+
+
 def _check_init_args(model, optimizer, tokenizer, ref, critic, critic_optimizer) -> None:
     """Clear errors for what :func:`init` cannot use, before anything is moved or frozen (torch's
     and transformers' own errors surface later and name an attribute, not the argument)."""
@@ -389,6 +470,11 @@ def _check_init_args(model, optimizer, tokenizer, ref, critic, critic_optimizer)
             # freezing the reference would freeze the actor too, and the KL to itself is zero
             raise ValueError("ref is the actor itself (or shares its parameters): the reference must stay frozen while "
                              "the actor trains; pass ref='copy' for a frozen snapshot of the actor")
+    if isinstance(critic, nn.Module) and _shares_parameters(critic, model):
+        # the critic's optimizer would step the actor's weights with the value loss's gradients
+        raise ValueError("critic is the actor itself (or shares its parameters): the value model must have its own "
+                         "weights; build one with critic=rk.models.critic(model) (a copy of the actor's backbone "
+                         "with a scalar head)")
     if critic is not None and not isinstance(critic, nn.Module):
         hint = " (there is no critic='copy', unlike ref)" if isinstance(critic, str) else ""
         raise TypeError(f"critic must be a value model or None, got {type(critic).__name__} {critic!r}{hint}; "

@@ -18,13 +18,25 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from rlkit.engines.base import Generation, SamplingParams, left_pad_prompts
+from rlkit.engines.base import Generation, SamplingParams, left_pad_prompts, pick_pad_token_id
 
 
-def _pad_id(tokenizer_or_pad_id) -> int:
+def _pad_id(tokenizer_or_pad_id, model: nn.Module) -> int:
+    """The id prompts and finished rows are padded with: an int as given (refused outside the
+    model's embedding rows), else the tokenizer's pad id where the embedding has that row, else
+    what the torch engine pads with (:func:`~rlkit.engines.base.pick_pad_token_id`: the config's
+    pad or eos). A tokenizer's pad token added without resizing the embeddings (id = vocab size),
+    or a negative one, crashed the embedding with a bare ``IndexError``; pads are masked, so any
+    id in the vocabulary does."""
+    vocab = _embedding_rows(model)
     if isinstance(tokenizer_or_pad_id, bool):
         raise TypeError("HFEngine: pass a tokenizer or an int pad id, got a bool")
     if isinstance(tokenizer_or_pad_id, int):
+        if vocab is not None and not 0 <= tokenizer_or_pad_id < vocab:
+            raise ValueError(
+                f"HFEngine: pad id {tokenizer_or_pad_id} is outside the model's vocabulary [0, {vocab}) (its input "
+                "embedding rows); pass an id in it (pads are masked, so any works, e.g. the eos id) or the tokenizer"
+            )
         return tokenizer_or_pad_id
     if tokenizer_or_pad_id is None:
         # e.g. rollout(state, engine="hf") on a state built without a tokenizer
@@ -39,7 +51,17 @@ def _pad_id(tokenizer_or_pad_id) -> int:
             "HFEngine: the tokenizer has no pad_token_id; set tokenizer.pad_token (e.g. to its eos_token) "
             "or pass the pad id as an int"
         )
-    return int(pad)
+    pad = int(pad)
+    if vocab is None or 0 <= pad < vocab:
+        return pad
+    # the tokenizer's pad has no embedding row (added without model.resize_token_embeddings)
+    return pick_pad_token_id(getattr(model, "config", None), None, vocab)
+
+
+def _embedding_rows(model: nn.Module) -> int | None:
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    return rows if isinstance(rows, int) else None
 
 
 def response_mask_from_stops(tokens: torch.Tensor, stop_token_ids: Sequence[int]) -> torch.Tensor:
@@ -52,13 +74,19 @@ def response_mask_from_stops(tokens: torch.Tensor, stop_token_ids: Sequence[int]
 
 
 class HFEngine:
-    """Engine protocol over ``model.generate``. ``tokenizer_or_pad_id``: a tokenizer or the pad id."""
+    """Engine protocol over ``model.generate``. ``tokenizer_or_pad_id``: a tokenizer or the pad id.
+
+    A tokenizer whose pad id has no row in the model's input embedding (a pad token added
+    without resizing the embeddings, or a negative id) is padded with the id the torch engine
+    uses instead (the config's pad or eos: pads are masked, so any id in the vocabulary does);
+    an int pad id outside the vocabulary is refused."""
 
     def __init__(self, model: nn.Module, tokenizer_or_pad_id):
         if not hasattr(model, "generate"):
             raise TypeError(f"HFEngine needs a transformers model with .generate, got {type(model).__name__}")
         self.model = model
-        self.pad_token_id = _pad_id(tokenizer_or_pad_id)
+        # also generate()'s pad id: transformers feeds it back as the input of finished rows
+        self.pad_token_id = _pad_id(tokenizer_or_pad_id, model)
         self.policy_version = 0
 
     @property

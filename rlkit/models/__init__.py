@@ -1,5 +1,5 @@
 """Models layer: tokenizers, model building/loading, and the training forward (log-probs, values)."""
-from rlkit.models.build import PRESETS, causal_lm_types, critic, load_model, tiny, tiny_config
+from rlkit.models.build import PRESETS, causal_lm_types, critic, disable_dropout, load_model, tiny, tiny_config
 from rlkit.models.logprobs import (
     LogprobModule,
     ValueModule,
@@ -17,6 +17,7 @@ __all__ = [
     "causal_lm_types",
     "char_tokenizer",
     "critic",
+    "disable_dropout",
     "load_model",
     "load_tokenizer",
     "response_hidden",

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 #: architecture presets: name -> config fields (head_dim = hidden_size / num_attention_heads)
@@ -246,6 +247,98 @@ def load_model(
     model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, local_files_only=True)
     if device is not None:
         model = model.to(device)
+    return model
+
+
+#: name fragments of dropout rates: config fields (``attention_dropout``, ``attn_pdrop``,
+#: ``hidden_dropout_prob``, OPT's ``layerdrop``, ...) and the float attributes transformers modules
+#: copy them into at construction (``Qwen2Attention.attention_dropout``, ``OPTDecoderLayer.dropout``)
+DROPOUT_NAMES = ("dropout", "pdrop", "layerdrop")
+
+
+def _is_rate_name(name: str) -> bool:
+    lowered = name.lower()
+    return any(part in lowered for part in DROPOUT_NAMES)
+
+
+def _rate(value: Any) -> bool:
+    """A dropout rate: a float (or int) that is not a bool."""
+    return isinstance(value, (float, int)) and not isinstance(value, bool)
+
+
+def _configs(model: nn.Module) -> list[PretrainedConfig]:
+    """Every distinct config of ``model`` and its submodules, with their sub-configs (``text_config``, ...)."""
+    seen: dict[int, PretrainedConfig] = {}
+    stack = [getattr(m, "config", None) for m in model.modules()]
+    while stack:
+        config = stack.pop()
+        if not isinstance(config, PretrainedConfig) or id(config) in seen:
+            continue
+        seen[id(config)] = config
+        stack.extend(v for v in vars(config).values() if isinstance(v, PretrainedConfig))
+    return list(seen.values())
+
+
+def active_dropout(model: nn.Module) -> tuple[list[str], list[str]]:
+    """Where ``model`` drops out in training mode: ``(modules, config_fields)``.
+
+    ``modules``: each dropout module with ``p > 0`` (``"transformer.h.0.attn.attn_dropout
+    (p=0.1)"``) and each module keeping a dropout rate > 0 as a float attribute (OPT's layers,
+    ``"model.decoder.layers.0 (dropout=0.1)"``). ``config_fields``: the attention dropout the
+    config sets (``"attn_pdrop=0.1"``), which rlkit's packed attention reads
+    (:mod:`rlkit.models.logprobs`). Both empty for a model without dropout (:func:`tiny`'s)."""
+    from rlkit.models.logprobs import _ATTENTION_DROPOUT_FIELDS
+
+    modules = []
+    for name, module in model.named_modules():
+        where = name or type(module).__name__
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            if module.p > 0:
+                modules.append(f"{where} (p={module.p})")
+            continue
+        rates = [f"{attr}={value}" for attr, value in vars(module).items() if _is_rate_name(attr) and _rate(value) and value > 0]
+        if rates:
+            modules.append(f"{where} ({', '.join(rates)})")
+    fields = []
+    for config in _configs(model):
+        for field in _ATTENTION_DROPOUT_FIELDS:
+            value = getattr(config, field, None)
+            if _rate(value) and value > 0:
+                fields.append(f"{field}={value}")
+    return modules, list(dict.fromkeys(fields))
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Turn every dropout of ``model`` off, in place, and return it (TRL's ``disable_dropout=True``).
+
+    Sets ``p = 0`` on every dropout module, 0 on every dropout rate the modules copied from the
+    config at construction (float attributes named like :data:`DROPOUT_NAMES`: Llama/Qwen
+    attention's ``attention_dropout``, OPT's ``dropout``), and 0 on the config's own dropout fields
+    (``attn_pdrop``, ``attention_dropout``, ``layerdrop``, ...), so that rlkit's attention functions
+    and anything else reading the config agree. Afterwards a transformers causal LM's
+    training-mode forward equals its eval-mode one (dropout was the only difference).
+
+    Why: rlkit trains the actor in training mode, and rollouts and ``compute_old_logprobs`` run in
+    eval mode. With dropout on (GPT-2 and OPT default to 0.1) the training log-probs are noisy, so
+    PPO's ratio is not 1 on an on-policy batch, a share of the tokens clips on the first step, and
+    the ``actor/logprob_gap`` metrics measure the dropout noise. Call it before ``rk.init``::
+
+        model = rk.models.disable_dropout(rk.models.load_model(path))
+        state = rk.init(model, ...)
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"disable_dropout takes a model (an nn.Module), got {type(model).__name__}")
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+            continue
+        for attr, value in list(vars(module).items()):
+            if _is_rate_name(attr) and _rate(value):
+                setattr(module, attr, 0.0)
+    for config in _configs(model):
+        for field, value in list(vars(config).items()):
+            if _is_rate_name(field) and _rate(value):
+                setattr(config, field, 0.0)
     return model
 
 

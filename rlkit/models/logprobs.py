@@ -44,6 +44,11 @@ of the responses, gathered by one index per tensor from a plan built once per la
 
 ``USE_VARLEN_ATTENTION`` / ``USE_FUSED_LOGPROBS`` (module flags) turn either off.
 
+Logit maps: a model whose forward maps ``lm_head``'s logits elementwise (Gemma 2's
+``final_logit_softcapping``, Granite's ``logits_scaling``, Cohere's ``logit_scale``) gets the same
+map on each chunk before the log-softmax (:data:`LOGIT_TRANSFORMS`); a model type not checked
+there that sets one of those fields is refused.
+
 Architectures: the packed layouts (shared prompts, transformers' packed mask, varlen) run only
 for the model types checked to honour packed rows (:data:`PACKED_MODEL_TYPES`); any other causal
 LM (OPT, BLOOM, MPT, Falcon, ...) gets the padded layout, which is exact for all of them. rlkit's
@@ -99,8 +104,26 @@ PACKED_MODEL_TYPES = frozenset({
 #: config fields holding the attention-probability dropout of the model types above (rlkit's
 #: attention functions apply none, so a training model with one runs transformers' attention)
 _ATTENTION_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attn_dropout", "attention_probs_dropout_prob")
-#: config fields that change logits after ``lm_head``; this module does not reproduce them
-_UNSUPPORTED_LOGIT_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+#: config fields that change logits after ``lm_head`` in some model types' forward
+_LOGIT_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+#: model_type -> (config field, map) of the elementwise map its ``*ForCausalLM.forward`` applies to
+#: ``lm_head``'s output, in the logits' dtype, before anything reads them (generate's temperature
+#: included): ``"softcap"`` ``c * tanh(z / c)`` (Gemma 2 and 3, NanoChat: ``final_logit_softcapping``),
+#: ``"divide"`` ``z / s`` (Granite: ``logits_scaling``), ``"multiply"`` ``z * s`` (Cohere:
+#: ``logit_scale``). Read off each model's transformers 5.x forward and checked against it
+#: (``tests/models/test_interop_fixes.py``). The same field name means other maps in other models
+#: (HyperCLOVA X multiplies by ``logits_scaling``, MiniCPM3 divides the hidden states by it), so a
+#: model type not listed here that sets one is refused (:func:`logit_transform`).
+LOGIT_TRANSFORMS = {
+    "gemma2": ("final_logit_softcapping", "softcap"),
+    "gemma3_text": ("final_logit_softcapping", "softcap"),
+    "nanochat": ("final_logit_softcapping", "softcap"),
+    "granite": ("logits_scaling", "divide"),
+    "granitemoe": ("logits_scaling", "divide"),
+    "granitemoeshared": ("logits_scaling", "divide"),
+    "cohere": ("logit_scale", "multiply"),
+    "cohere2": ("logit_scale", "multiply"),
+}
 #: CUDA fast paths (see the module docstring); set False to measure or debug the generic ones
 USE_VARLEN_ATTENTION = True
 USE_FUSED_LOGPROBS = True
@@ -1026,23 +1049,67 @@ def _scatter(values: torch.Tensor, view: ResponseView) -> torch.Tensor:
     return out
 
 
+def logit_transform(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The elementwise map the model's forward applies to ``lm_head``'s logits
+    (:data:`LOGIT_TRANSFORMS`), as a function of a logits chunk, or None where there is none
+    (a scale of 1.0 is none). The same operations in the same order and dtype as transformers'
+    forward, so the log-probs are those of ``log_softmax(model(ids).logits / temperature)``.
+
+    ``ValueError`` for a model type not in :data:`LOGIT_TRANSFORMS` that sets one of the fields
+    (what its forward does with it is not known here), and for a value that is not a positive
+    finite number."""
+    model_type = getattr(config, "model_type", None)
+    known = LOGIT_TRANSFORMS.get(model_type)
+    cap_field = "final_logit_softcapping"
+    found = None
+    for name in _LOGIT_FIELDS:
+        value = getattr(config, name, None)
+        if value is None or (name != cap_field and is_real(value) and float(value) == 1.0):
+            continue  # transformers' forward: no cap where None; a scale of 1 changes nothing
+        if known is None or known[0] != name:
+            checked = sorted(t for t, (field, _) in LOGIT_TRANSFORMS.items() if field == name)
+            raise ValueError(
+                f"LogprobModule: the model's config (model_type {model_type!r}) sets {name}={value!r}, which its "
+                f"forward applies around lm_head; rlkit applies {name} for the model types whose forward it has "
+                f"checked ({', '.join(checked)}), not for {model_type!r} (the same field means different maps in "
+                "different models). Fix: if this model's forward maps lm_head's logits z elementwise, add "
+                f"{model_type!r}: ({name!r}, 'softcap' | 'divide' | 'multiply') to "
+                "rlkit.models.logprobs.LOGIT_TRANSFORMS after checking it against the model's own logits"
+            )
+        if not (is_real(value) and 0 < value < float("inf")):
+            none = "None" if name == cap_field else "1.0"
+            raise ValueError(
+                f"LogprobModule: the model's config sets {name}={value!r}, which rlkit applies only as a positive "
+                f"finite number; set config.{name} to the checkpoint's value (or {none} for none)"
+            )
+        found = float(value)
+    if found is None:
+        return None
+    kind = known[1]
+    if kind == "softcap":
+        def softcap(z: torch.Tensor, cap: float = found) -> torch.Tensor:
+            return torch.tanh(z / cap) * cap  # the forward's order (z / cap, tanh, * cap): its logits bit for bit
+        return softcap
+    if kind == "divide":
+        return lambda z, s=found: z / s
+    return lambda z, s=found: z * s
+
+
 class LogprobModule(nn.Module):
     """``forward(prompt_ids, prompt_mask, response_ids, response_mask) -> (logprobs (b t), entropy (b t) | None)``.
 
-    ``logprobs[i, j] = log softmax(lm_head(h[i, pos(j) - 1]) / temperature)[response_ids[i, j]]``,
-    0 where masked. Wraps a transformers causal LM (``model.base_model`` is the backbone,
-    ``model.get_output_embeddings()`` the head) so the whole computation is one module call.
+    ``logprobs[i, j] = log softmax(f(lm_head(h[i, pos(j) - 1])) / temperature)[response_ids[i, j]]``,
+    0 where masked, where ``f`` is the elementwise map the model's own forward applies to its
+    logits (Gemma 2's soft-capping, Granite's and Cohere's scales: :func:`logit_transform`; the
+    identity for most models), applied per chunk before the log-softmax on every path. Wraps a
+    transformers causal LM (``model.base_model`` is the backbone, ``model.get_output_embeddings()``
+    the head) so the whole computation is one module call.
     """
 
     def __init__(self, model: nn.Module):
         super().__init__()
-        config = getattr(model, "config", None)
-        for name in _UNSUPPORTED_LOGIT_FIELDS:
-            if getattr(config, name, None) not in (None, 1.0):
-                raise ValueError(
-                    f"LogprobModule: the model's config sets {name}={getattr(config, name)!r}, which changes logits "
-                    "after lm_head; rlkit's chunked log-probs do not apply it yet"
-                )
+        # checked before the head: a model refused here names its logit field, not a missing head
+        self.logit_transform = logit_transform(getattr(model, "config", None))
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if head is None:
             raise ValueError(
@@ -1070,9 +1137,13 @@ class LogprobModule(nn.Module):
             view = response_view(backbone, prompt_ids, prompt_mask, response_ids, response_mask, layout=layout)
         hidden, targets = response_hidden(backbone, prompt_ids, prompt_mask, response_ids, response_mask, view=view)
         head = self.model.get_output_embeddings()
+        transform = self.logit_transform
 
         def fn(h: torch.Tensor, y: torch.Tensor):
-            logprobs, entropy = _fast_token_logprobs(head(h), y, temperature, with_entropy)
+            logits = head(h)
+            if transform is not None:  # inside the chunk: checkpointed and recomputed with it
+                logits = transform(logits)
+            logprobs, entropy = _fast_token_logprobs(logits, y, temperature, with_entropy)
             return (logprobs, entropy) if with_entropy else (logprobs,)
 
         weight = getattr(head, "weight", None)

@@ -17,6 +17,21 @@ CHAR_SPECIALS = (PAD, BOS, EOS, UNK)
 #: files of which a tokenizer directory needs at least one (fast tokenizer, or a config naming a slow one)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
 
+#: ``tokenizer_class`` values (tokenizer_config.json) of a tokenizer that is its tokenizer.json and
+#: nothing else: what ``save_pretrained`` writes for :func:`char_tokenizer` or any
+#: ``PreTrainedTokenizerFast(tokenizer_object=...)``. :func:`load_tokenizer` loads these as that
+#: class: ``AutoTokenizer`` builds the model type's own class instead where transformers 5 forces it
+#: (``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS``: qwen2, phi3, ... when config.json sits beside it,
+#: as in an exported model directory), and Qwen2Tokenizer rebuilds the pipeline from the vocabulary
+#: with its own pre-tokenizer, which for a character vocabulary drops spaces, newlines and
+#: non-ASCII characters.
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+#: what :func:`load_tokenizer` encodes with the loaded tokenizer and with its directory's
+#: tokenizer.json (through the ``tokenizers`` library) to check they agree: spaces (single, double,
+#: leading), a newline and a tab, digits, punctuation, accented and non-Latin characters
+PROBE_TEXT = " Hello,  world!\n\t12 + 34 = 46; café naïve «x» 中文 ok?"
+
 
 def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     """A character-level tokenizer: every character of ``alphabet`` is one token.
@@ -63,6 +78,14 @@ def load_tokenizer(path: str | os.PathLike, *, pad_to_eos: bool = False) -> PreT
     A tokenizer without a pad token is refused unless ``pad_to_eos=True``, which sets
     ``pad_token = eos_token`` (the usual choice for decoder-only models; rlkit masks by
     ``response_mask``, never by comparing ids with the pad id).
+
+    The directory's tokenizer.json governs: a tokenizer saved as a plain tokenizers-backed one
+    (``tokenizer_class`` in :data:`GENERIC_TOKENIZER_CLASSES`, e.g. :func:`char_tokenizer`) loads
+    as that class, whatever model config.json sits beside it; any other loads through
+    ``AutoTokenizer``, and is then checked to encode :data:`PROBE_TEXT` as tokenizer.json does
+    (the ``tokenizers`` library reading the file). Where it does not, the directory is loaded as
+    a ``PreTrainedTokenizerFast`` over tokenizer.json instead, with a warning naming both classes;
+    ``ValueError`` if that disagrees too.
     """
     from transformers import AutoTokenizer
 
@@ -78,7 +101,13 @@ def load_tokenizer(path: str | os.PathLike, *, pad_to_eos: bool = False) -> PreT
             f"load_tokenizer: {str(directory)!r} has none of the tokenizer files {list(TOKENIZER_FILES)} "
             f"(it holds {sorted(p.name for p in directory.iterdir())[:20]}); save one with tokenizer.save_pretrained(path)"
         )
-    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    saved_json = directory / "tokenizer.json"
+    if saved_json.is_file() and _declared_class(directory) in GENERIC_TOKENIZER_CLASSES:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    if saved_json.is_file():
+        tokenizer = _as_saved(tokenizer, directory)
     if tokenizer.pad_token is None:
         if pad_to_eos and tokenizer.eos_token is not None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -94,6 +123,52 @@ def load_tokenizer(path: str | os.PathLike, *, pad_to_eos: bool = False) -> PreT
                 f"({tokenizer.eos_token!r}) as pad_token, or set tokenizer.pad_token and save it again"
             )
     return tokenizer
+
+
+def _declared_class(directory: Path) -> str | None:
+    """tokenizer_config.json's ``tokenizer_class`` (None without one, or unreadable)."""
+    import json
+
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config.get("tokenizer_class") if isinstance(config, dict) else None
+
+
+def _saved_ids(directory: Path) -> list[int]:
+    """:data:`PROBE_TEXT`'s ids under the directory's tokenizer.json, read by the ``tokenizers`` library."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(directory / "tokenizer.json")).encode(PROBE_TEXT, add_special_tokens=False).ids
+
+
+def _as_saved(tokenizer: PreTrainedTokenizerBase, directory: Path) -> PreTrainedTokenizerBase:
+    """``tokenizer`` if it encodes :data:`PROBE_TEXT` as the directory's tokenizer.json does;
+    else that tokenizer.json as a ``PreTrainedTokenizerFast`` (warning), or ``ValueError``."""
+    import warnings
+
+    expected = _saved_ids(directory)
+    got = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+    if got == expected:
+        return tokenizer
+    plain = PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
+    plain_ids = plain.encode(PROBE_TEXT, add_special_tokens=False)
+    where = f"load_tokenizer: transformers loads {str(directory)!r} as {type(tokenizer).__name__}, which encodes {PROBE_TEXT!r} as"
+    if plain_ids != expected:
+        raise ValueError(
+            f"{where} {got[:24]}, and as PreTrainedTokenizerFast as {plain_ids[:24]}, while the directory's tokenizer.json "
+            f"(read by the tokenizers library) gives {expected[:24]}; neither class reproduces the saved tokenizer. Fix: "
+            "save the tokenizer again with tokenizer.save_pretrained(path) from the transformers version that loads it, "
+            "or load it yourself and pass it to rk.init(..., tokenizer=...)"
+        )
+    warnings.warn(
+        f"{where} {got[:24]}, not as the directory's tokenizer.json does ({expected[:24]}: the tokenizer the files were "
+        f"saved from); loaded it as PreTrainedTokenizerFast over tokenizer.json instead. To keep "
+        f"{type(tokenizer).__name__}, load it with transformers.AutoTokenizer.from_pretrained(path) yourself",
+        RuntimeWarning, stacklevel=3,
+    )
+    return plain
 
 
 #: from this many tokens on, :func:`decode_batch` uses the ``tokenizers`` library's parallel
