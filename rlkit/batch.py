@@ -61,12 +61,15 @@ FIELDS: dict[str, tuple[int, str]] = {
     "policy_version": (1, "int"),
     "temperature": (1, "float"),
     "logprobs_filtered": (1, "bool"),
+    "reward_baselines": (1, "float"),
 }
 RESPONSE_ALIGNED = {k for k, (rank, _) in FIELDS.items() if rank == 2 and not k.startswith("prompt")}
 TEXT_FIELDS = ("prompt_text", "response_text")
 #: names a per-prompt data column cannot take: the batch's own fields, and the keywords
-#: ``rk.score`` passes TRL-style reward functions besides the columns (``reward/<name>`` too)
-RESERVED_COLUMNS = frozenset(FIELDS) | set(TEXT_FIELDS) | {"rollout_metrics", "prompts", "completions", "completion_ids"}
+#: ``rk.score`` passes TRL-style reward functions besides the columns (``trainer_state``,
+#: ``log_metric``, ``log_extra``; ``reward/<name>`` too)
+RESERVED_COLUMNS = frozenset(FIELDS) | set(TEXT_FIELDS) | {
+    "rollout_metrics", "prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra"}
 
 
 def reserved_names(names: Iterable[Any], allow: Iterable[str] = ()) -> list[str]:
@@ -289,10 +292,17 @@ def validate(batch: Batch, require: Iterable[str] = ()) -> Batch:
     """Check a Batch's structure; raise :class:`BatchError` naming the bad field.
 
     Checks: ``batch`` is a TensorDict with one batch dimension; every field in ``require`` is
-    present (e.g. ``("rewards",)`` before ``advantage``); each field of :data:`FIELDS` that is
-    present is a tensor of its rank and dtype kind, its width equal to ``prompt_ids``' (prompt
-    fields) or ``response_ids``' (response-aligned fields); ``rewards`` are finite; and
-    ``response_mask`` is not all False. Returns the batch so calls can be chained.
+    present (e.g. ``("rewards",)`` before ``advantage``); the batch has at least one row; each
+    field of :data:`FIELDS` that is present is a tensor of its rank and dtype kind, its width
+    equal to ``prompt_ids``' (prompt fields) or ``response_ids``' (response-aligned fields);
+    ``rewards`` are finite; and ``response_mask`` is not all False. Returns the batch so calls can
+    be chained.
+
+    A batch of 0 rows (what a filter that keeps no row gives: ``batch[mask]`` with ``mask`` all
+    False, or :func:`rlkit.recipes.dapo.keep_informative_groups` when every group's rewards agree)
+    is refused here, so :func:`rlkit.score`, :func:`rlkit.advantage`, the log-prob passes and
+    :func:`rlkit.update`, which all call this first, say so instead of failing inside with an
+    error that names neither the batch nor the cause: skip the step for such a batch.
 
     Not checked here: the masks' padding direction and the token ids' range. The scoring,
     advantage and loss functions take response masks with holes (multi-turn observation tokens);
@@ -304,6 +314,15 @@ def validate(batch: Batch, require: Iterable[str] = ()) -> Batch:
         raise BatchError(f"expected a Batch (tensordict.TensorDict), got {type(batch).__name__}; build one with rlkit.make_batch")
     if len(batch.batch_size) != 1:
         raise BatchError(f"a Batch has exactly one batch dimension (one row per response), got batch_size={tuple(batch.batch_size)}")
+    if batch.batch_size[0] == 0:
+        # every transform indexes, groups or splits the rows: with none they failed inside with an
+        # IndexError, "range() arg 3 must not be zero" or a complaint about mini_batch_size 0
+        raise BatchError(
+            "the batch has no rows (batch_size 0): there is nothing to score, estimate or train on. Skip this step "
+            "(e.g. `if batch.batch_size[0] == 0: continue`); a filter kept no row: batch[mask] with mask all False, or "
+            "for DAPO (rlkit.recipes.dapo.keep_informative_groups) every group's rewards were equal, so sample more "
+            "prompts or responses per step, or check the filter and the reward"
+        )
     keys = set(batch.keys())
     for name in require:
         if name not in keys:
@@ -336,9 +355,27 @@ def validate(batch: Batch, require: Iterable[str] = ()) -> Batch:
                 raise BatchError(f"field 'rewards' is not finite at rows {rows} (values {value[rows].tolist()}); fix the reward function")
     if "response_mask" in keys:
         mask = batch["response_mask"]
-        if b > 0 and not mask.any():
+        if not mask.any():
             raise BatchError("field 'response_mask' is all False: no response token to train on; check the rollout or the masks you built")
     return batch
+
+
+def check_same_fields(parts: Sequence[Batch], where: str) -> None:
+    """Raise :class:`BatchError` when the batches ``parts`` do not all have the same fields
+    (tensors and columns): concatenating them (``torch.cat``) failed with tensordict's bare
+    ``KeyError`` naming one key, not which part lacks it or what to do."""
+    names = [set(p.keys()) for p in parts]
+    every = set().union(*names)
+    missing = [(i, sorted(every - keys)) for i, keys in enumerate(names) if every - keys]
+    if not missing:
+        return
+    shown = "; ".join(f"part {i} lacks {lack}" for i, lack in missing[:4]) + ("; ..." if len(missing) > 4 else "")
+    lacking = sorted({k for _, lack in missing for k in lack})
+    raise BatchError(
+        f"{where}: the batches have different fields ({shown}; each of them is present in another part). Drop them "
+        f"from every part (batch.exclude(*{lacking})) or add them to every part (e.g. compute the same passes, or "
+        "set_column, on each) before concatenating"
+    )
 
 
 def _how_to_get(name: str) -> str:

@@ -105,7 +105,8 @@ class Pipeline:
             raise TypeError(f"Pipeline: reward is a recipe ({type(reward).__name__}); the order is Pipeline(step, reward)")
         from rlkit.transforms.score import check_reward
 
-        check_reward(reward, "Pipeline")  # what rk.score takes, built-in names included
+        # what rk.score takes, built-in names included; with the recipe's reward_weights where it has them
+        check_reward(reward, "Pipeline", getattr(self.step, "reward_weights", None))
 
     def _fn(self) -> StepFn:
         return self.step.step if hasattr(self.step, "step") else self.step

@@ -11,14 +11,20 @@ from typing import Any, Sequence
 import torch
 
 _NUMBER = re.compile(r"-?[\d,]*\.?\d+")
+# a number written with thousands separators, whole: 1-3 digits, then groups of exactly 3, not
+# inside a longer run of digits, commas or decimals ("1,234,567" but not "1,2", "12,34" or "1,234,56")
+_GROUPED = re.compile(r"(?<![\d,.])\d{1,3}(?:,\d{3})+(?!\d|,\d)")
 
 
 def _norm(x: Any) -> str:
-    return str(x).strip().replace(",", "")
+    """``x`` as stripped text, the thousands separators of its numbers removed (other commas kept)."""
+    return _GROUPED.sub(lambda m: m.group(0).replace(",", ""), str(x).strip())
 
 
 def exact_match(completions: Sequence[str], answer: Sequence[Any], **_) -> list[float]:
-    """1.0 where the completion, stripped, equals the answer (commas in numbers ignored), else 0."""
+    """1.0 where the completion, stripped, equals the answer, else 0. Thousands separators in
+    numbers are ignored ("1,234" equals "1234"); every other comma counts ("Paris, France" is not
+    "Paris France", "1,2" is not "12")."""
     return [float(_norm(c) == _norm(a)) for c, a in zip(completions, answer)]
 
 
@@ -77,14 +83,27 @@ def hash_format(completions: Sequence[str], **_) -> list[float]:
 class RewardModel:
     """A sequence classifier (``AutoModelForSequenceClassification``, 1 label) as the reward role.
 
-    Called with the whole Batch (``score`` passes it): it scores ``prompt + response`` token ids.
-    The reward model must share the actor's tokenizer (token in, token out); for a different
-    tokenizer, decode and re-encode in your own batch-style function. A classifier whose config
-    has no ``pad_token_id`` scores the last token of each sequence (transformers refuses batches
-    of more than one sequence there; the sequences are aligned here, so none is needed).
+    Called with the whole Batch (``score`` passes it): it scores ``prompt + response`` token ids,
+    each sequence as the classifier scores it alone, unpadded. The reward model must share the
+    actor's tokenizer (token in, token out); for a different tokenizer, decode and re-encode in
+    your own batch-style function.
+
+    Padding: where the classifier's config has a ``pad_token_id``, the sequences are right-padded
+    with it (as TRL and the tokenizers of encoder classifiers pad), which suits both poolings
+    transformers uses: an encoder (BERT, RoBERTa, DeBERTa) pools the first token, a decoder
+    (Llama, Qwen2) the last token that is not ``pad_token_id``. A classifier whose config has no
+    ``pad_token_id`` (transformers' decoders then refuse batches of more than one sequence) is
+    taken to pool the last token, a decoder's convention: the sequences are left-padded, so the
+    last column is the end of every one; an encoder classifier needs a ``pad_token_id`` in its
+    config (the BERT family's configs have one).
+
+    ``micro_batch_size``: the sequences per forward pass, a positive int.
     """
 
     def __init__(self, model, *, micro_batch_size: int = 64):
+        from rlkit._checks import int_at_least
+
+        int_at_least(micro_batch_size, "RewardModel: micro_batch_size", 1, " (sequences per forward pass; the default is 64)")
         self.model = model.eval()
         self.micro_batch_size = micro_batch_size
         self.__name__ = "reward_model"
@@ -94,11 +113,20 @@ class RewardModel:
         device = next(self.model.parameters()).device
         ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1)
         mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], 1)
+        config = getattr(self.model, "config", None)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        pad = getattr(config, "pad_token_id", None) if config is not None else None
+        if pad is not None:
+            # left-aligned, padded with the classifier's own pad id: position 0 is every sequence's
+            # first token (an encoder's pooled one; right-aligned rows pooled a pad there), and the
+            # last token that is not pad_token_id its end (a decoder's), whatever id the batch padded with
+            order = torch.argsort((~mask.bool()).long(), dim=1, stable=True)
+            ids, mask = ids.gather(1, order), mask.gather(1, order)
+            ids = ids.masked_fill(~mask.bool(), pad)
+            return self._scores(ids, mask, device, positions=False)
         # right-align the real tokens so the classifier's "last non-pad token" is the response end
         order = torch.argsort(mask.long(), dim=1, stable=True)
         ids, mask = ids.gather(1, order), mask.gather(1, order)
-        config = getattr(self.model, "config", None)
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
         # transformers' classifier pools the rightmost token that is not pad_token_id, and without
         # one refuses batches > 1: the sequences are right-aligned, so an id no token has (-1) makes
         # it pool the last column, the end of every sequence, as one sequence alone does
@@ -106,15 +134,24 @@ class RewardModel:
         if no_pad:
             config.pad_token_id = -1
         try:
-            out = []
-            for i in range(0, ids.shape[0], self.micro_batch_size):
-                sl = slice(i, i + self.micro_batch_size)
-                m = mask[sl].to(device)
-                pos = (m.long().cumsum(1) - 1).clamp(min=0)
-                logits = self.model(input_ids=ids[sl].to(device), attention_mask=m.long(), position_ids=pos).logits
-                # the score of the last real token (sequences are right-aligned, so the last column)
-                out.append(logits[:, -1, 0] if logits.dim() == 3 else logits[:, 0])
+            return self._scores(ids, mask, device, positions=True)
         finally:
             if no_pad:
                 config.pad_token_id = None
+
+    def _scores(self, ids: torch.Tensor, mask: torch.Tensor, device, *, positions: bool) -> torch.Tensor:
+        """The classifier's first logit for each row, ``micro_batch_size`` rows a pass;
+        ``positions``: pass position ids counted over the real tokens (left-padded rows need them;
+        left-aligned rows take the model's own, which not every encoder lets one pass)."""
+        out = []
+        for i in range(0, ids.shape[0], self.micro_batch_size):
+            sl = slice(i, i + self.micro_batch_size)
+            m = mask[sl].to(device)
+            kw = {"position_ids": (m.long().cumsum(1) - 1).clamp(min=0)} if positions else {}
+            logits = self.model(input_ids=ids[sl].to(device), attention_mask=m.long(), **kw).logits
+            if logits.dim() == 3:  # per-token scores (rows, t, labels): each row's at its last real token
+                last = (torch.arange(m.shape[1], device=m.device) * m.long()).argmax(1)
+                out.append(logits[torch.arange(len(last), device=logits.device), last.to(logits.device), 0])
+            else:
+                out.append(logits[:, 0])
         return torch.cat(out).float().cpu()

@@ -225,7 +225,10 @@ def shard_reward(reward, mesh: DeviceMesh | None = None):
     the values are all-gathered, so every rank still gets all of them, in row order.
 
     - TRL-style functions (``f(completions, **columns) -> list``): the completions and every
-      per-row list argument are sliced.
+      per-row list argument are sliced; the function is called as :func:`rlkit.score` calls an
+      unsharded one (by keyword or not: one rule, ``rlkit.transforms.score.call_trl_style``).
+    - verl's batched ``compute_score(data_sources, solution_strs, ground_truths, extra_infos)``:
+      every list argument is sliced.
     - Batch-style functions (``f(batch) -> Tensor``, e.g. a reward model): the batch is sliced.
     - verl-style functions (``compute_score(...)``, called once per sample) are returned as they
       are: each call is one sample, there is nothing to split.
@@ -304,7 +307,11 @@ class _ShardedReward:
                 return [float(v) if v is not None else None for v in values]
 
             return torch.tensor([float("nan") if v is None else v for v in self._gather(compute, max(hi - lo, 0))], dtype=torch.float32)
-        completions, *rest = args
+        if self.style == "verl_batch":
+            # rlkit.score passes verl's batched arguments by keyword, as verl does
+            completions, rest = kwargs.pop("solution_strs"), []
+        else:
+            completions, *rest = args
         b = len(completions)
         lo, hi = self._share(b)
 
@@ -314,15 +321,13 @@ class _ShardedReward:
                 return list(v[lo:hi])
             return v
 
-        import inspect
-
-        from rlkit.transforms.score import _by_keyword
-
-        # as rlkit.score calls an unsharded one: by keyword where the function takes `completions` so
-        by_keyword = not rest and _by_keyword(self.fn, inspect.signature(self.fn).parameters)
+        from rlkit.transforms.score import call_trl_style
 
         def call(c, args, kw):
-            return self.fn(completions=c, **kw) if by_keyword else self.fn(c, *args, **kw)
+            if self.style == "verl_batch":
+                return self.fn(solution_strs=c, **kw)
+            # as rlkit.score calls an unsharded one (the same rule), unless called with more positional arguments
+            return self.fn(c, *args, **kw) if args else call_trl_style(self.fn, c, kw)
 
         def compute():
             if hi <= lo:

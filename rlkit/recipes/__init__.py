@@ -3,7 +3,7 @@
 ``rk.recipes.get("grpo")`` returns a frozen config whose ``step(state, prompts, reward)`` runs one
 iteration; ``.with_(n=16, kl=("low_var_kl", 1e-3))`` changes knobs.
 """
-from rlkit.recipes.base import Recipe, reward_metrics
+from rlkit.recipes.base import Recipe, check_fields, reward_metrics
 from rlkit.recipes.dapo import DAPO
 from rlkit.recipes.grpo import GRPO, drgrpo
 from rlkit.recipes.ppo import PPO
@@ -20,10 +20,14 @@ RECIPES = {
 
 
 def get(name: str, **kwargs) -> Recipe:
+    """The recipe ``name`` (one of :data:`RECIPES`: ``rk.recipes.get("grpo")``), built with
+    ``kwargs`` as its fields (``get("dapo", n=16)``); an unknown name or field is an error listing
+    the valid ones. ``recipe.with_(field=value)`` changes fields of one already built."""
     try:
         factory = RECIPES[name]
     except KeyError:
         raise ValueError(f"unknown algorithm {name!r}; valid: {', '.join(RECIPES)}") from None
+    check_fields(factory, kwargs, f"rk.recipes.get({name!r})")
     return factory(**kwargs)
 
 

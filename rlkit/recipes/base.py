@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import math
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
 import torch
 
-from rlkit._checks import int_at_least, positive_finite_or_none
+from rlkit._checks import int_at_least, is_real, positive_finite_or_none
 from rlkit.batch import Batch
 
 
@@ -43,6 +44,28 @@ def reward_metrics(batch: Batch) -> dict[str, float]:
     return out
 
 
+def _checked_reward_weights(weights: Any, name: str) -> tuple | dict:
+    """``weights`` as a tuple (a sequence) or a dict copy (a mapping), each a finite number; a
+    ``ValueError`` naming ``<name>.reward_weights`` otherwise. Their count or names are checked
+    against the reward when it is known (:meth:`Recipe.score`, ``rk.score``)."""
+    if isinstance(weights, Mapping):
+        out: tuple | dict = {str(k): v for k, v in weights.items()}
+        values = list(out.values())
+    elif isinstance(weights, Iterable) and not isinstance(weights, (str, bytes)):
+        out = tuple(weights)
+        values = list(out)
+    else:
+        raise ValueError(f"{name}.reward_weights must be a list of numbers (one per reward function), a {{name: weight}} dict, "
+                         f"or None (each weight 1), got {weights!r}")
+    bad = [v for v in values if not is_real(v) or not math.isfinite(v)]
+    if bad or not values:
+        raise ValueError(f"{name}.reward_weights must hold finite numbers, one per reward function, got {weights!r}"
+                         + (f" ({bad[0]!r} is not one)" if bad else " (empty)") + "; None: each weight 1")
+    if isinstance(out, dict):
+        return {k: float(v) for k, v in out.items()}
+    return tuple(float(v) for v in out)
+
+
 @dataclass(frozen=True)
 class Recipe:
     """Shared sampling and update knobs. Subclasses define :meth:`step` in a few lines."""
@@ -61,6 +84,9 @@ class Recipe:
     epochs: int = 1
     max_grad_norm: float | None = 1.0
     engine: str | None = None
+    #: weights of several reward functions (``rk.score``'s ``weights``): a list, one per function
+    #: in the reward's order, or a ``{name: weight}`` dict naming them all; None: 1 each
+    reward_weights: tuple | dict | None = None
 
     def __post_init__(self):
         # checked when the recipe is built (rk.recipes.get, with_), not at its first rollout
@@ -118,8 +144,13 @@ class Recipe:
             # nan made every optimizer step non-finite: each was skipped, with only warnings
             raise ValueError(f"{name}.entropy_coef must be a finite number (0: no entropy bonus), got {self.entropy_coef!r}")
         object.__setattr__(self, "entropy_coef", coef)
+        if self.reward_weights is not None:
+            object.__setattr__(self, "reward_weights", _checked_reward_weights(self.reward_weights, name))
 
     def with_(self, **changes) -> "Recipe":
+        """A copy with ``changes`` to its fields (``recipe.with_(n=16)``); an unknown field is a
+        ``TypeError`` listing the recipe's fields."""
+        check_fields(type(self), changes, f"{type(self).__name__}.with_")
         return replace(self, **changes)
 
     def sample(self, state, prompts, **kw) -> Batch:
@@ -131,9 +162,16 @@ class Recipe:
                        top_p=self.top_p, engine=self.engine, **{"decode": False, **kw})
 
     def score(self, state, batch: Batch, reward) -> Batch:
-        from rlkit.transforms.score import score
+        """``rk.score`` with the recipe's ``reward_weights``: ``rewards`` is the weighted sum, each
+        function's own values kept as ``reward/<name>``."""
+        from rlkit.transforms.score import RewardError, _reward_functions, _reward_weights, score
 
-        return score(batch, reward, tokenizer=state.tokenizer)
+        if self.reward_weights is not None:
+            try:  # the count or names checked against the reward here, where the recipe can be named
+                _reward_weights(self.reward_weights, _reward_functions(reward))
+            except RewardError as e:
+                raise RewardError(f"{type(self).__name__}.reward_weights={self.reward_weights!r} does not fit the reward: {e}") from None
+        return score(batch, reward, weights=self.reward_weights, tokenizer=state.tokenizer)
 
     def device_passes(self, state, batch: Batch) -> Batch:
         """The forward passes the update will need (reference log-probs under a KL penalty),
@@ -189,3 +227,18 @@ class Recipe:
 
     def step(self, state, prompts, reward):  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+def check_fields(factory: Callable, changes: Mapping[str, Any], where: str) -> None:
+    """``TypeError`` led by ``where`` naming the keys of ``changes`` that are not fields of the
+    recipe ``factory`` builds (a Recipe class, or a function such as ``rloo`` returning one), with
+    the fields it has: the dataclass's own message named ``__init__`` and not what is valid."""
+    cls = factory if isinstance(factory, type) else type(factory())
+    names = [f.name for f in fields(cls) if f.init]
+    unknown = sorted(set(changes) - set(names))
+    if unknown:
+        import difflib
+
+        near = {u: difflib.get_close_matches(u, names, n=1) for u in unknown}
+        hint = "".join(f"; did you mean {m[0]!r} for {u!r}?" for u, m in near.items() if m)
+        raise TypeError(f"{where}: {cls.__name__} has no field(s) {unknown}{hint}; its fields: {', '.join(names)}")

@@ -5,25 +5,52 @@ Accepted reward functions, detected by their signature, used unchanged:
 - **TRL style** (batched): ``f(completions, prompts=..., completion_ids=..., **columns) -> list[float]``
   — ``completions`` is the decoded response text; any keyword the function names that is a
   column of the batch (``answer``, ``ground_truth``, ...) is passed as a list. As TRL does, a
-  function with a ``completions`` parameter (or only ``**kwargs``) is called by keyword, so
-  ``f(prompts, completions, **kw)`` works; one whose first parameter has another name
-  (``f(responses, answer)``) gets the completions as its first positional argument. The
-  batch's own columns (``rollout_metrics``, ``prompt_text``, ``response_text``) are not passed
-  as data columns.
+  function is called by keyword where it has a ``completions`` parameter, no positional one, or a
+  first parameter that is one of the keywords ``score`` passes (``prompts``, ``completion_ids``,
+  a data column, or TRL's ``trainer_state``/``log_metric``/``log_extra``): so
+  ``f(prompts, completions, **kw)``, ``f(completion_ids, **kw)`` (TRL's own
+  ``get_soft_overlong_punishment``) and ``f(answer, **kw)`` work, the completions reaching the
+  last two in ``kw["completions"]`` (a function with neither a ``completions`` parameter nor
+  ``**kwargs`` is not given them). One whose first parameter has another name
+  (``f(responses, answer)``) gets the completions as its first positional argument. The batch's
+  own columns (``rollout_metrics``, ``prompt_text``, ``response_text``) are not passed as data
+  columns.
+
+  TRL also passes every reward ``trainer_state``, ``log_metric`` and ``log_extra``; ``score``
+  passes stand-ins to a function that names them or takes ``**kwargs``: ``trainer_state`` has
+  only ``global_step``, the batch's ``policy_version`` (the number of updates that stepped the
+  weights that sampled it, 0 for a batch without the field), and reading another of TRL's
+  attributes (``max_steps``) is an error saying so; ``log_metric(name, value)`` records a number
+  into the returned batch's ``rollout_metrics`` (the mean where it is logged more than once), so
+  the recipes' step metrics carry it under ``name`` (under :func:`rlkit.parallel.shard_reward`
+  each rank records what its share of the rows gave); ``log_extra(column, values)`` does nothing
+  (rlkit keeps no completions table).
 - **verl style** (per sample): ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``
   returning a float or a dict with a ``"score"`` key. ``ground_truth`` comes from the
   ``ground_truth`` column, else from verl's own format, a ``reward_model`` column holding
   ``{"style": "rule", "ground_truth": ...}``, else from the ``answer`` column; with none of them
-  ``score`` stops with an error naming the columns there are.
+  ``score`` stops with an error naming the columns there are. ``data_source`` and ``extra_info``
+  are the row's columns of those names; without the column ``data_source`` is None and
+  ``extra_info`` is ``{}`` (a new dict per sample), as verl passes it. An ``async def``
+  ``compute_score`` is called for every sample at once and the calls awaited together
+  (``asyncio.gather``), not one after the other; a function that must limit how many run at a time
+  (a rate-limited judge) holds its own ``asyncio.Semaphore``.
+- **verl batch style**: ``compute_score(data_sources, solution_strs, ground_truths, extra_infos, **kwargs)``
+  (verl's ``BatchRewardManager``), recognised by its ``solution_strs`` parameter: called once, by
+  keyword, with one list per argument (filled as for the per-sample style), returning a list of
+  floats or of dicts with a ``"score"`` key.
 - **Batch style**: ``f(batch) -> Tensor (b)``, e.g. a :class:`rlkit.rewards.RewardModel` (a
   sequence classifier as the reward role): a function whose first parameter is named ``batch``
   and whose other parameters all have defaults or are keyword-only (``f(batch, scale=0.1)``,
-  ``functools.partial(f, scale=0.5)``).
+  ``functools.partial(f, scale=0.5)``). A model itself (a ``torch.nn.Module`` such as an
+  ``AutoModelForSequenceClassification``, which TRL's ``reward_funcs`` takes) is refused with an
+  error saying to wrap it: ``rk.rewards.RewardModel(model)``.
 
 A TRL- or verl-style function defined with ``async def`` is run to completion (``asyncio``; in a
-thread of its own where an event loop is already running, as in Jupyter). When it raises, the error
-names the reward but not the sample: an async reward (often a remote call) is not retried sample by
-sample to find it.
+thread of its own where an event loop is already running, as in Jupyter). When a batched one (TRL
+style, verl batch style) raises, the error names the reward but not the sample: an async reward
+(often a remote call) is not retried sample by sample to find it. A per-sample verl one's error
+names the first sample, in row order, whose call raised.
 
 The texts are the responses (and prompts) decoded with ``skip_special_tokens=True``, as TRL and
 verl decode them: a special token the model emits (``<unk>``, ``<pad>``, an EOS in the middle) is
@@ -39,7 +66,9 @@ string (``json.dumps`` of its message list; ``json.loads`` it back), and ``compl
 response text, not ``[{"role": "assistant", "content": ...}]``.
 
 Several rewards: pass a list or a ``{name: fn}`` dict, with ``weights``; each one's value is kept
-as ``reward/<name>`` and ``rewards`` is their weighted sum.
+as ``reward/<name>`` and ``rewards`` is their weighted sum. In training the weights are a
+recipe's ``reward_weights`` (``rk.recipes.get("grpo", reward_weights=[1.0, 0.2])``), which its
+steps pass to ``score`` (TRL's ``GRPOConfig.reward_weights``).
 
 A reward returns one number per completion: a list, a tensor or a numeric numpy array (a ``(b, 1)``
 column is flattened, as a tensor's is); one number for the whole batch is an error saying so. A
@@ -79,14 +108,23 @@ def _name(fn: Callable) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
+def _parameters(fn: Callable) -> Mapping[str, inspect.Parameter]:
+    """``fn``'s parameters; a ``torch.nn.Module``'s are its ``forward``'s (its own signature is
+    ``(*args, **kwargs)``). Raises as ``inspect.signature`` does where there is none."""
+    return inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn).parameters
+
+
 def reward_style(fn: Callable) -> str:
-    """'verl', 'trl' or 'batch' — how ``score`` calls ``fn``: 'verl' where it has a
-    ``solution_str`` parameter; 'batch' where its first parameter is named ``batch`` and every
-    other one has a default or is keyword-only (``f(batch, scale=0.1)``); else 'trl'."""
+    """'verl', 'verl_batch', 'trl' or 'batch' — how ``score`` calls ``fn``: 'verl_batch' where it
+    has a ``solution_strs`` parameter (verl's batched ``compute_score``), 'verl' where it has a
+    ``solution_str`` one; 'batch' where its first parameter is named ``batch`` and every other one
+    has a default or is keyword-only (``f(batch, scale=0.1)``); else 'trl'."""
     try:
-        params = inspect.signature(fn).parameters
+        params = _parameters(fn)
     except (TypeError, ValueError):
         return "trl"
+    if "solution_strs" in params:
+        return "verl_batch"
     if "solution_str" in params:
         return "verl"
     first, *rest = list(params.values()) or [None]
@@ -186,6 +224,14 @@ def _texts(batch: Batch, name: str, tokenizer) -> Sequence[str]:
     return LazyRows(batch.batch_size[0], decode)
 
 
+def _texts_if_known(batch: Batch, name: str, tokenizer) -> Sequence[str]:
+    """:func:`_texts`, or ``[]`` (errors show ``'?'``) when the batch has neither the column nor a tokenizer."""
+    try:
+        return _texts(batch, name, tokenizer)
+    except BatchError:
+        return []
+
+
 def _sample_desc(batch: Batch | None, i: int, prompts: Sequence[str], completions: Sequence[str], number: int | None = None) -> str:
     """Row ``i``'s prompt and response, clipped, as errors name a sample (``number``: the row's
     number in the whole batch where ``prompts``/``completions`` are a share of it)."""
@@ -194,22 +240,85 @@ def _sample_desc(batch: Batch | None, i: int, prompts: Sequence[str], completion
     return f"sample {i if number is None else number} (prompt {clip(p)!r}, response {clip(c)!r})"
 
 
-def _by_keyword(fn: Callable, params: Mapping[str, inspect.Parameter]) -> bool:
-    """TRL calls a reward function by keyword (``completions=..., prompts=...``): so does
-    ``score`` where ``fn`` has a keyword parameter ``completions``, or no positional parameter but
-    ``**kwargs``. Others (``f(responses, answer)``) get the completions positionally, as before."""
+class TrainerState:
+    """What a TRL-style reward gets as ``trainer_state`` (TRL passes its trainer's
+    ``transformers.TrainerState``): ``global_step`` only, the batch's ``policy_version`` (the
+    number of updates that stepped the weights that sampled it; 0 for a batch without the field).
+    TRL's other attributes (``max_steps``, ``epoch``, ...) are not known to ``score``: reading one
+    is an ``AttributeError`` saying so, where a made-up value would silently shape the reward."""
+
+    __slots__ = ("global_step",)
+
+    def __init__(self, global_step: int = 0):
+        self.global_step = global_step
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name == "global_step":
+            raise AttributeError(name)  # copy/pickle probing, or global_step not set yet: no message to build
+        raise AttributeError(
+            f"rk.score's trainer_state has only global_step (the batch's policy_version, {self.global_step}); "
+            f"TRL's trainer_state.{name} is not known to rk.score: give the reward what it needs another way "
+            "(e.g. functools.partial(reward, max_steps=100))"
+        )
+
+    def __repr__(self) -> str:
+        return f"TrainerState(global_step={self.global_step})"
+
+
+def _trl_extras(batch: Batch, logged: dict[str, list[float]]) -> dict[str, Any]:
+    """Stand-ins for the keywords TRL passes every reward besides the data
+    (``GRPOTrainer._calculate_rewards``): ``trainer_state``, ``log_metric`` and ``log_extra`` (the
+    module docstring says what each does); ``logged`` collects what ``log_metric`` is given."""
+    b = batch.batch_size[0]
+    step = int(batch["policy_version"].max()) if "policy_version" in batch.keys() and b else 0
+
+    def log_metric(name: str, value: float) -> None:
+        """Record ``value`` under ``name`` in the scored batch's ``rollout_metrics`` (TRL's log_metric)."""
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"log_metric({name!r}, {value!r:.60}): the value must be a number") from None
+        logged.setdefault(str(name), []).append(number)
+
+    def log_extra(column: str, values: list) -> None:
+        """Does nothing: TRL adds ``values`` to its completions table, which rlkit does not keep."""
+
+    return {"trainer_state": TrainerState(step), "log_metric": log_metric, "log_extra": log_extra}
+
+
+def _by_keyword(fn: Callable, params: Mapping[str, inspect.Parameter], keywords: Iterable[str] = ()) -> bool:
+    """TRL calls a reward function only by keyword (``completions=..., prompts=...``): so does
+    ``score`` where ``fn`` has a keyword parameter ``completions``, no positional parameter, or a
+    first positional parameter named as one of ``keywords`` (the names passed by keyword:
+    ``f(completion_ids, **kwargs)``, ``f(prompts, **kwargs)``, ``f(answer, **kwargs)``, where the
+    completions given positionally collided with that keyword). Others (``f(responses, answer)``)
+    get the completions positionally, as before. One rule for :func:`rlkit.score` and
+    :func:`rlkit.parallel.shard_reward`'s wrapper (:func:`call_trl_style`)."""
     if getattr(fn, "reads_row_shares", False):
         return False  # rlkit.parallel.shard_reward's wrapper takes the completions positionally
     P = inspect.Parameter
     p = params.get("completions")
     if p is not None:
         return p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)
-    kinds = {q.kind for q in params.values()}
-    return P.VAR_KEYWORD in kinds and not kinds & {P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD, P.VAR_POSITIONAL}
+    positional = [q for q in params.values() if q.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD, P.VAR_POSITIONAL)]
+    if not positional:
+        return True
+    return positional[0].kind is P.POSITIONAL_OR_KEYWORD and positional[0].name in set(keywords)
 
 
-def _call_trl(fn, batch, prompts, completions) -> list[Any]:
-    params = inspect.signature(fn).parameters
+def call_trl_style(fn: Callable, completions, kwargs: Mapping[str, Any]) -> Any:
+    """``fn``'s result called as :func:`_by_keyword` says: ``fn(completions, **kwargs)``, or by
+    keyword, ``completions=`` included where ``fn`` takes it (a ``completions`` parameter or
+    ``**kwargs``)."""
+    params = _parameters(fn)
+    if not _by_keyword(fn, params, kwargs):
+        return fn(completions, **kwargs)
+    takes = "completions" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return fn(completions=completions, **kwargs) if takes else fn(**kwargs)
+
+
+def _call_trl(fn, batch, prompts, completions, logged: dict[str, list[float]]) -> list[Any]:
+    params = _parameters(fn)
     has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     ids, mask = batch["response_ids"], batch["response_mask"]
     available: dict[str, Any] = {
@@ -220,12 +329,14 @@ def _call_trl(fn, batch, prompts, completions) -> list[Any]:
         # the batch's own columns (texts, rollout_metrics) are not data: only per-prompt columns are passed
         if name not in RESERVED_COLUMNS:
             available[name] = column(batch, name)
+    # after the columns, as TRL sets them after its own
+    available.update(_trl_extras(batch, logged))
     kwargs = {k: v for k, v in available.items() if has_var_kw or k in params}
     if not getattr(fn, "reads_row_shares", False):
         # a user's function gets plain lists; a sharded one (shard_reward) slices its own rows
         kwargs = {k: materialize(v) for k, v in kwargs.items()}
         completions = materialize(completions)
-    out = fn(completions=completions, **kwargs) if _by_keyword(fn, params) else fn(completions, **kwargs)
+    out = call_trl_style(fn, completions, kwargs)
     # returned as it is: _run_one turns it into one value per completion, and refuses one number
     # with its own message (list() of it here raised a TypeError that was blamed on sample 0)
     out = _await(out)
@@ -247,7 +358,8 @@ def _truth_source(fn, batch) -> str:
     )
 
 
-def _call_verl(fn, batch, i, completions, source: str = "ground_truth") -> Any:
+def _verl_kwargs(fn, batch, i, completions, source: str = "ground_truth") -> dict[str, Any]:
+    """Sample ``i``'s arguments of a verl-style ``fn``, as verl's reward managers fill them."""
     cols = set(columns(batch))
     get = lambda name, default=None: column(batch, name)[i] if name in cols else default  # noqa: E731
     truth = get(source)
@@ -259,7 +371,13 @@ def _call_verl(fn, batch, i, completions, source: str = "ground_truth") -> Any:
                 "fix the data, or give a 'ground_truth' column"
             )
         truth = truth["ground_truth"]
-    out = _await(fn(data_source=get("data_source"), solution_str=completions[i], ground_truth=truth, extra_info=get("extra_info")))
+    # verl passes extra_info={} where the data has none (a function may write into it): a new one each
+    extra = get("extra_info") if "extra_info" in cols else {}
+    return dict(data_source=get("data_source"), solution_str=completions[i], ground_truth=truth, extra_info=extra)
+
+
+def _verl_score(fn, out: Any) -> Any:
+    """The number in a verl-style result: the result, or its ``"score"`` where it is a dict."""
     if isinstance(out, Mapping):
         if "score" not in out:
             raise RewardError(f"reward {_name(fn)!r} returned a dict without a 'score' key: {sorted(out)}")
@@ -267,30 +385,86 @@ def _call_verl(fn, batch, i, completions, source: str = "ground_truth") -> Any:
     return out
 
 
-def _run_one(fn: Callable, batch: Batch, prompts: Sequence[str], completions: Sequence[str]) -> torch.Tensor:
+def _run_verl(fn, batch, prompts, completions) -> list[Any]:
+    """A per-sample verl-style ``fn`` over every row; an async one's calls awaited together."""
+    name = _name(fn)
+    source = _truth_source(fn, batch)
+    completions = materialize(completions)  # one decode for the batch, not one per sample
+    args = [_verl_kwargs(fn, batch, i, completions, source) for i in range(batch.batch_size[0])]
+    if _is_async(fn):
+        import asyncio
+
+        calls = []
+        try:
+            for i, kw in enumerate(args):
+                calls.append(fn(**kw))  # a coroutine; only a wrong signature raises here
+        except Exception as exc:  # noqa: BLE001 - re-raised with the sample named
+            for c in calls:
+                c.close()  # never awaited: closed, not left to warn
+            raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} on {_sample_desc(batch, i, prompts, completions)}") from exc
+
+        async def together():
+            # every sample's call in flight at once (a remote judge's latency paid once, not per
+            # sample); errors kept per sample, so the first failing row is the one named
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+        outs = _await(together())
+        for i, out in enumerate(outs):
+            if isinstance(out, BaseException):
+                if not isinstance(out, Exception):
+                    raise out  # cancellation, KeyboardInterrupt: not a reward's error
+                raise RewardError(f"reward {name!r} raised {type(out).__name__}: {out} on {_sample_desc(batch, i, prompts, completions)}") from out
+        return [_verl_score(fn, out) for out in outs]
+    values = []
+    for i, kw in enumerate(args):
+        try:
+            values.append(_verl_score(fn, _await(fn(**kw))))
+        except RewardError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised with the sample named
+            raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} on {_sample_desc(batch, i, prompts, completions)}") from exc
+    return values
+
+
+def _call_verl_batch(fn, batch, prompts, completions, logged=None) -> list[Any]:
+    """verl's batched ``compute_score(data_sources, solution_strs, ground_truths, extra_infos)``,
+    called once by keyword as verl's ``BatchRewardManager`` calls it, with the per-sample style's
+    arguments as lists (``logged``: unused, the signature :func:`_call_trl` has)."""
+    b = batch.batch_size[0]
+    if not getattr(fn, "reads_row_shares", False):
+        completions = materialize(completions)
+    source = _truth_source(fn, batch)
+    # every argument but the texts (a sharded fn slices and decodes its own share of LazyRows)
+    rows = [_verl_kwargs(fn, batch, i, [None] * b, source) for i in range(b)]
+    out = fn(data_sources=[r["data_source"] for r in rows], solution_strs=completions,
+             ground_truths=[r["ground_truth"] for r in rows], extra_infos=[r["extra_info"] for r in rows])
+    out = _await(out)
+    out = list(out) if isinstance(out, abc.Iterator) else out
+    if isinstance(out, (list, tuple)):
+        out = [_verl_score(fn, v) for v in out]
+    return out
+
+
+def _run_one(fn: Callable, batch: Batch, prompts: Sequence[str], completions: Sequence[str],
+             logged: dict[str, list[float]] | None = None) -> torch.Tensor:
     b = batch.batch_size[0]
     style = reward_style(fn)
     name = _name(fn)
+    logged = {} if logged is None else logged
     if getattr(fn, "reads_row_shares", False) and _is_async(fn):
         raise RewardError(f"reward {name!r} is an async function, which rlkit.parallel.shard_reward does not run; "
                           "shard a plain function that runs it: def f(*args, **kw): return asyncio.run(reward(*args, **kw))")
     if style == "batch":
         values = _await(fn(batch))
     elif style == "verl":
-        source = _truth_source(fn, batch)
-        completions = materialize(completions)  # one decode for the batch, not one per sample
-        values = []
-        for i in range(b):
-            try:
-                values.append(_call_verl(fn, batch, i, completions, source))
-            except RewardError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - re-raised with the sample named
-                raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} on {_sample_desc(batch, i, prompts, completions)}") from exc
+        values = _run_verl(fn, batch, prompts, completions)
     else:
+        call = _call_trl if style == "trl" else _call_verl_batch
         try:
-            values = _call_trl(fn, batch, prompts, completions)
+            values = call(fn, batch, prompts, completions, logged)
         except Exception as exc:  # noqa: BLE001
+            if style == "verl_batch" and isinstance(exc, RewardError):
+                raise  # score's own check of the data or the result, naming what is wrong
             if getattr(fn, "reads_row_shares", False):
                 # a reward sharded over ranks (rlkit.parallel.shard_reward): its error names the
                 # rank that failed, and retrying sample by sample would run collectives that a rank
@@ -303,7 +477,7 @@ def _run_one(fn: Callable, batch: Batch, prompts: Sequence[str], completions: Se
             # find the first sample that fails on its own, so the error names it
             for i in range(b):
                 try:
-                    _call_trl(fn, batch[i : i + 1], prompts[i : i + 1], completions[i : i + 1])
+                    call(fn, batch[i : i + 1], prompts[i : i + 1], completions[i : i + 1], {})
                 except Exception:  # noqa: BLE001
                     raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} on {_sample_desc(batch, i, prompts, completions)}") from exc
             raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} (on the whole batch; every sample alone succeeded)") from exc
@@ -324,7 +498,7 @@ def _run_one(fn: Callable, batch: Batch, prompts: Sequence[str], completions: Se
         floats = []
         for i, v in enumerate(values):
             if v is None:
-                if style == "verl":
+                if style in ("verl", "verl_batch"):
                     raise RewardError(f"reward {name!r} returned None for {_sample_desc(batch, i, prompts, completions)}; "
                                       "a verl-style compute_score must return a number (or a dict with a 'score' number)")
                 floats.append(math.nan)
@@ -362,7 +536,23 @@ def _resolve_reward(fn: Any) -> Callable:
     if not callable(fn):
         raise RewardError(f"a reward must be a function (or a built-in reward's name: {', '.join(BUILT_IN_REWARDS)}), "
                           f"got {type(fn).__name__} {fn!r:.60}")
+    if isinstance(fn, torch.nn.Module) and reward_style(fn) == "trl" and not _names_completions(fn):
+        # a model (TRL's reward_funcs takes one) would be called on lists of strings and fail deep
+        # in its forward, once for the batch and once per sample
+        raise RewardError(
+            f"reward {type(fn).__name__} is a model (a torch.nn.Module), not a reward function: score calls a reward "
+            "with the decoded texts (TRL style), the samples (verl style) or the Batch; wrap a sequence classifier "
+            "as rk.rewards.RewardModel(model), which scores the batch's prompt + response ids"
+        )
     return fn
+
+
+def _names_completions(fn: Callable) -> bool:
+    """``fn`` has a ``completions`` parameter: written as a TRL-style reward."""
+    try:
+        return "completions" in _parameters(fn)
+    except (TypeError, ValueError):
+        return False
 
 
 def _reward_functions(reward: Any) -> dict[str, Callable]:
@@ -390,15 +580,20 @@ def _reward_functions(reward: Any) -> dict[str, Callable]:
     return fns
 
 
-def check_reward(reward: Any, where: str) -> None:
-    """A ``TypeError`` led by ``where`` unless ``reward`` is what :func:`score` takes: for the
-    callers that hold a reward until their first step (``fit``, ``Pipeline``), where a wrong one
-    would otherwise surface after a whole rollout."""
+def check_reward(reward: Any, where: str, weights: Any = None) -> None:
+    """A ``TypeError`` led by ``where`` unless ``reward`` is what :func:`score` takes (and
+    ``weights``, where given, fits it, as :func:`score`'s ``weights``: a recipe's
+    ``reward_weights``): for the callers that hold a reward until their first step (``fit``,
+    ``Pipeline``), where a wrong one would otherwise surface after a whole rollout."""
     try:
-        _reward_functions(reward)
+        fns = _reward_functions(reward)
     except RewardError as e:
         raise TypeError(f"{where}: reward must be a reward function, a list of them or a dict name -> function "
                         f"(what rk.score takes, e.g. task.reward): {e}") from None
+    try:
+        _reward_weights(weights, fns)
+    except RewardError as e:
+        raise TypeError(f"{where}: reward weights {weights!r} do not fit the reward: {e}") from None
 
 
 def _reward_weights(weights: Any, fns: Mapping[str, Callable]) -> dict[str, float]:
@@ -430,7 +625,9 @@ def score(
     weights: Sequence[float] | Mapping[str, float] | None = None,
     tokenizer: Any = None,
 ) -> Batch:
-    """Score every response; returns a new Batch with ``rewards (b)`` and ``reward/<name> (b)``.
+    """Score every response; returns a new Batch with ``rewards (b)`` and ``reward/<name> (b)``
+    (and, where a TRL-style reward called ``log_metric``, the values it logged in the batch's
+    ``rollout_metrics``: the module docstring says what TRL's keywords get).
 
     ``reward``: a function, a list of them, or a ``{name: function}`` dict; a built-in reward may
     be given by name (:data:`BUILT_IN_REWARDS`: ``"exact_match"``, ...). ``weights``: one finite
@@ -445,15 +642,18 @@ def score(
     w = _reward_weights(weights, fns)
     needs_text = any(reward_style(fn) != "batch" for fn in fns.values())
     # decoded on first access (LazyRows), inside each reward's range: a reward split over ranks
-    # decodes only its rows
-    completions = _texts(batch, "response_text", tokenizer) if needs_text else []
-    prompts = _texts(batch, "prompt_text", tokenizer) if needs_text else []
+    # decodes only its rows, a batch-style reward none of them (an error naming a sample shows its
+    # text where a tokenizer or the text columns can give it)
+    text = _texts if needs_text else _texts_if_known
+    completions = text(batch, "response_text", tokenizer)
+    prompts = text(batch, "prompt_text", tokenizer)
     out = shallow_copy(batch)
     total = torch.zeros(batch.batch_size[0])
     scored = torch.zeros(batch.batch_size[0], dtype=torch.bool)
+    logged: dict[str, list[float]] = {}  # what TRL-style rewards give log_metric
     for key, fn in fns.items():
         with torch.profiler.record_function(f"rlkit.score.{key}"):
-            values = _run_one(fn, batch, prompts, completions)
+            values = _run_one(fn, batch, prompts, completions, logged)
         present = ~torch.isnan(values)  # NaN only where the function returned None (_run_one rejects real NaN)
         scored |= present
         out.set(f"reward/{key}", values.to(batch.device) if batch.device is not None else values)
@@ -468,4 +668,9 @@ def score(
             "number from at least one reward; return 0.0 where a score of zero is meant, or add a reward that covers these samples"
         )
     out.set("rewards", total.to(batch.device) if batch.device is not None else total)
+    if logged:
+        from rlkit.transforms.rollout import rollout_metrics
+
+        # the per-batch metrics every recipe reports with its step's (a new dict: batch keeps its own)
+        out.set_non_tensor("rollout_metrics", {**rollout_metrics(batch), **{k: sum(v) / len(v) for k, v in logged.items()}})
     return out

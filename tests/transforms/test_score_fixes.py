@@ -112,7 +112,8 @@ def test_rewards_get_the_data_columns_not_the_batchs_own():
     b = _batch(answer=["4", "6"])
     b.set_non_tensor("rollout_metrics", {"rollout/seconds": 0.1})  # as rollout stores it
     rk.score(b, record, tokenizer=TOK)
-    assert sorted(seen) == ["answer", "completion_ids", "prompts"]
+    # TRL's own keywords besides the data columns; never the batch's rollout_metrics
+    assert sorted(seen) == ["answer", "completion_ids", "log_extra", "log_metric", "prompts", "trainer_state"]
 
 
 def test_hash_format_scores_only_completions_that_end_with_the_answer_line():
