@@ -123,6 +123,8 @@ def fit(
     except BaseException as exc:  # noqa: BLE001 - re-raised; only annotated
         if isinstance(exc, StepReturnError) and exc.returned_state is not None:
             state = exc.returned_state  # the step's update donated the state passed in: this is the latest one
+        elif _is_live_state(getattr(exc, "state", None)):
+            state = exc.state  # an update that finished, then failed (NonFiniteError, a warning as error): its new state
         _attach_progress(exc, state, history)
         raise
     return state, history
@@ -258,7 +260,7 @@ def _check_fit_args(state, recipe, reward, steps, sinks, checkpointer):
                         f".step(state, prompts, reward)), got {type(recipe).__name__}")
     from rlkit.transforms.score import check_reward
 
-    check_reward(reward, "fit")
+    check_reward(reward, "fit", getattr(recipe, "reward_weights", None))
     int_at_least(steps, "steps", 0, " (the step count to reach)")
     if sinks is None:
         sinks = ()
@@ -279,6 +281,19 @@ def _eval_metrics(eval_fn, state) -> dict:
     if not isinstance(out, Mapping):
         raise TypeError(f"fit: eval_fn must return a dict of metrics (e.g. {{'accuracy': 0.5}}), got {type(out).__name__} {out!r:.60}")
     return out
+
+
+def _is_live_state(state) -> bool:
+    """Whether ``state`` is a TrainState not yet donated to an update."""
+    from rlkit.state import TrainState
+
+    if not isinstance(state, TrainState):
+        return False
+    try:
+        state.step  # noqa: B018 - raises once donated
+    except Exception:  # noqa: BLE001
+        return False
+    return True
 
 
 def _attach_progress(exc: BaseException, state, history: list) -> None:

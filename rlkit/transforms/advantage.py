@@ -105,10 +105,21 @@ def _checked_output(result, fn: Callable, shape: tuple[int, ...]) -> tuple[torch
 
 def advantage(batch: Batch, estimator: str | Callable = "grpo", **kw) -> Batch:
     """Estimate advantages; returns a new Batch with ``advantages`` and ``returns`` set (the input
-    is not modified)."""
-    fn = ADVANTAGE_ESTIMATORS.get(estimator)
+    is not modified). A batch of 0 rows is refused first (:func:`rlkit.validate`): a filter kept
+    no row, and the group statistics failed on it with an IndexError."""
     validate(batch, require=("response_ids", "response_mask"))
+    fn = ADVANTAGE_ESTIMATORS.get(estimator)
     params = inspect.signature(fn).parameters
+    given = sorted(set(kw) & set(BATCH_INPUTS))
+    if given:
+        # they were passed twice (Python's "got multiple values for keyword argument 'group'"), or,
+        # for an estimator's **kw, silently instead of the batch's
+        where = {"token_rewards": "token_rewards (else rewards, put on each response's last token)"}
+        raise TypeError(
+            f"advantage: {given} are read from the batch ({', '.join(where.get(n, n) for n in given)}), not passed as "
+            f"options; set them on the batch first, batch.set({given[0]!r}, tensor) (a tensor of the batch's rows), then "
+            f"rk.advantage(batch, {estimator if isinstance(estimator, str) else getattr(fn, '__name__', 'estimator')!r})"
+        )
     available = {
         "token_rewards": lambda: token_rewards_of(batch),
         "response_mask": lambda: batch["response_mask"],

@@ -9,8 +9,42 @@ import warnings
 
 import torch
 
-from rlkit._checks import check_token_ids
+from rlkit._checks import check_context, check_token_ids, context_limit, int_at_least
 from rlkit.batch import Batch, shallow_copy, validate
+
+
+def check_micro_batch_size(micro_batch_size, where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` unless ``micro_batch_size`` is None or an int >= 1, as
+    :func:`rlkit.update` requires: -1 failed in ``torch.cat`` on no micro-batch, 2.5 in ``range``,
+    and 0 silently ran the whole batch here where update refuses it."""
+    if micro_batch_size is not None:
+        int_at_least(micro_batch_size, f"{where}: micro_batch_size", 1,
+                     " (rows per forward), or None for the whole batch in one pass (0 is refused, as by rk.update)")
+
+
+def check_batch_context(model, batch: Batch, where: str) -> None:
+    """Raise ``ValueError`` when a row of ``batch`` (its prompt and response tokens) needs more
+    positions than ``model``'s context (:func:`rlkit._checks.check_context`, which rollout, fit
+    and evaluate apply to prompts): a hand-made or concatenated batch was trained on positions the
+    model never learned. Decided on the shapes when the padded width fits (the usual case); the
+    masks are read (a host sync for a batch on a device) only when it does not."""
+    from rlkit.models.logprobs import _longest_row
+
+    limit = context_limit(model)
+    if limit is None:
+        return
+    prompt_mask, response_mask = batch["prompt_mask"], batch["response_mask"]
+    longest = _longest_row(prompt_mask, response_mask, limit)  # the padded width when it fits: no read
+    if longest <= limit:
+        return
+    prompt_len, response_len = prompt_mask.sum(1), response_mask.sum(1)
+    over = ((prompt_len + response_len) > limit).nonzero().flatten().tolist()
+    i = int((prompt_len + response_len).argmax())
+    check_context(model, longest,
+                  f"{where}: row {i} of the batch ({int(prompt_len[i])} prompt + {int(response_len[i])} response tokens)",
+                  f"the rows over it are {over[:8]}{' ...' if len(over) > 8 else ''} of {batch.batch_size[0]}. Drop or "
+                  "shorten them (batch[keep]), or use a model with a longer context; rk.rollout refuses a prompt whose "
+                  "tokens plus max_new_tokens exceed the context, so a batch it sampled always fits")
 
 
 def _micro(batch: Batch, micro_batch_size: int | None):
@@ -71,7 +105,8 @@ def model_logprobs(model, batch: Batch, *, temperature: float = 1.0, micro_batch
     to wait for it), so the host can prepare the next pass or score rewards meanwhile."""
     from rlkit.models.logprobs import response_logprobs
 
-    validate(batch, require=("prompt_ids", "prompt_mask", "response_ids", "response_mask"))
+    validate(batch, require=_INPUTS)
+    check_micro_batch_size(micro_batch_size, "log-probs")
     check_token_ids(batch, model, "log-probs")
     device = module_device(model)
     was_training = model.training
@@ -158,7 +193,15 @@ def compute_old_logprobs(state, batch: Batch, *, temperature: float | None = Non
     sampled at (its ``temperature`` column, which :func:`rlkit.rollout` records; 1.0 for a batch
     without one), as :func:`rlkit.update` does by default, so the ratio is 1 on-policy. A batch
     whose rows were sampled at different temperatures needs an explicit one (``ValueError``); an
-    explicit temperature that differs from the recorded one warns (``RuntimeWarning``)."""
+    explicit temperature that differs from the recorded one warns (``RuntimeWarning``).
+
+    ``micro_batch_size``: rows per forward, an int >= 1, or None (the default) for the whole batch
+    in one pass. A batch of 0 rows (:func:`rlkit.validate`), or with a row longer than the
+    model's context, is refused before any work; so are :func:`compute_ref_logprobs`' and
+    :func:`compute_values`'."""
+    validate(batch, require=_INPUTS)
+    check_micro_batch_size(micro_batch_size, "rk.compute_old_logprobs")
+    check_batch_context(state.actor, batch, "rk.compute_old_logprobs")
     temperature = resolve_temperature(
         batch, temperature, "rk.compute_old_logprobs",
         mismatch="the old log-probs will be at another temperature than the policy that sampled the rows, so the "
@@ -177,9 +220,12 @@ def compute_ref_logprobs(state, batch: Batch, *, temperature: float | None = Non
 
     ``temperature``: None (the default) is the batch's recorded sampling temperature (its
     ``temperature`` column; 1.0 without one), the one :func:`rlkit.update` computes the policy's
-    log-probs at by default; see :func:`compute_old_logprobs`."""
+    log-probs at by default; see :func:`compute_old_logprobs` (``micro_batch_size`` too)."""
+    validate(batch, require=_INPUTS)
+    check_micro_batch_size(micro_batch_size, "rk.compute_ref_logprobs")
     if state.ref is None:
         raise ValueError("state has no reference model; create it with rk.init(model, ref='copy') or drop the KL penalty")
+    check_batch_context(state.ref, batch, "rk.compute_ref_logprobs")
     temperature = resolve_temperature(
         batch, temperature, "rk.compute_ref_logprobs",
         mismatch="the reference log-probs will be at another temperature than the policy's, which the update computes "
@@ -195,12 +241,15 @@ def compute_ref_logprobs(state, batch: Batch, *, temperature: float | None = Non
 
 @torch.no_grad()
 def compute_values(state, batch: Batch, *, micro_batch_size: int | None = None) -> Batch:
-    """Add ``values (b t)`` from the critic (PPO)."""
+    """Add ``values (b t)`` from the critic (PPO). ``micro_batch_size``: as in
+    :func:`compute_old_logprobs`."""
     from rlkit.models.logprobs import values_for_response
 
+    validate(batch, require=_INPUTS)
+    check_micro_batch_size(micro_batch_size, "rk.compute_values")
     if state.critic is None:
         raise ValueError("state has no critic; create it with rk.init(model, critic=rk.models.critic(model))")
-    validate(batch, require=("prompt_ids", "response_ids"))
+    check_batch_context(state.critic, batch, "rk.compute_values")
     check_token_ids(batch, state.critic, "compute_values")
     critic = state._cache.get("critic_module", state.critic)
     device = module_device(critic)

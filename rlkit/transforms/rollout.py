@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from rlkit._checks import context_limit, is_int
-from rlkit.batch import Batch, row_tokens, set_column, shallow_copy
+from rlkit.batch import Batch, check_same_fields, row_tokens, set_column, shallow_copy
 from rlkit.data import Prompts, as_prompts
 from rlkit.engines.base import Engine, SamplingParams
 from rlkit.state import TrainState, fold_in, generator
@@ -232,7 +232,10 @@ def _sample_share(state: TrainState, eng: Engine, prompts: Prompts, params: Samp
         batch.set("group", batch["group"] + start)
         with torch.profiler.record_function("rlkit.rollout.gather_rows"):
             batch = gather_rows(batch, dp.mesh)
-    return batch, seconds, {f"rollout/{k}": float(v) for k, v in out.metrics.items()}
+    # the engine's own rate is of this replica's rows: named apart from rollout/tokens_per_s (the whole
+    # gathered batch's), which it undercut N-fold on N replicas under a name that read the same
+    names = {"tokens_per_second": "replica_tokens_per_s"}
+    return batch, seconds, {f"rollout/{names.get(k, k)}": float(v) for k, v in out.metrics.items()}
 
 
 def _with_metrics(batch: Batch, seconds: float, extra: dict[str, float]) -> Batch:
@@ -341,7 +344,12 @@ def _engine_device(engine, state) -> torch.device:
 
 
 def rollout_metrics(batch: Batch) -> dict[str, float]:
-    """The timing/length metrics ``rollout`` attached to a batch ({} if none)."""
+    """The timing/length metrics ``rollout`` attached to a batch ({} if none), and what a TRL-style
+    reward logged into it through ``log_metric`` when ``rk.score`` scored it.
+
+    ``rollout/tokens_per_s`` is the whole batch's generated tokens per second of rollout time;
+    ``rollout/replica_tokens_per_s`` the engine's own rate over the rows it generated (one
+    replica's share when the rollout is split over N replicas, so about 1/N of the first)."""
     try:
         value = batch.get_non_tensor("rollout_metrics")
     except KeyError:
@@ -385,4 +393,5 @@ def concat(batches: Sequence[Batch]) -> Batch:
         if "rollout_metrics" in b.keys():
             del b["rollout_metrics"]
         parts.append(b)
+    check_same_fields(parts, "concat")
     return torch.cat(parts)

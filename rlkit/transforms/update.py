@@ -19,7 +19,11 @@ of each mini-batch when the plan was lowered with ``grad_reduce="step"``
 handle (and every handle ``replace`` made of it, which share its models) raises
 :class:`rlkit.state.DonatedStateError` if used again. An exception (Ctrl-C included) after the
 first optimizer step donates it too, saying so: its weights are then neither the old ones nor
-those of a finished update. An exception before that step leaves it unchanged and usable.
+those of a finished update. An exception before that step leaves it unchanged and usable: every
+argument is checked before any work. An exception raised once the update is complete, while it
+reports (the log-prob gap ``RuntimeWarning`` under ``warnings.simplefilter("error")`` or pytest's
+``filterwarnings = error``, Ctrl-C), donates the input to the finished update's new state, which
+the exception carries as ``exc.state`` (its metrics as ``exc.metrics`` when they were complete).
 """
 from __future__ import annotations
 
@@ -34,12 +38,12 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from rlkit._checks import check_token_ids, int_at_least, positive_finite_or_none
+from rlkit._checks import check_token_ids, int_at_least, is_real, positive_finite_or_none
 from rlkit.algos.kl import kl_penalty
 from rlkit.algos.losses import POLICY_LOSSES, aggregate, value_loss
 from rlkit.batch import Batch, BatchError, validate
 from rlkit.state import TrainState
-from rlkit.transforms.forward import module_device, rows_view
+from rlkit.transforms.forward import check_batch_context, module_device, rows_view
 from rlkit.transforms.rollout import FILTERED
 
 LossSpec = str | Callable | tuple
@@ -158,6 +162,94 @@ def _resolve_kl(kl) -> tuple[str | Callable | None, float]:
     return mode, coef
 
 
+def _finite_coef(value: Any, name: str, meaning: str, default: float, *, minimum: float | None = None) -> float:
+    """``value`` as a float: a real number or a one-element tensor (what the recipes take), finite
+    and ``>= minimum``; else a ``ValueError`` naming ``name``. A string ("0.01" from a config file)
+    failed inside the loss with "only integer tensors of a single element can be converted to an
+    index", after the passes before it had run."""
+    number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool else value
+    if not is_real(number) or not math.isfinite(number) or (minimum is not None and number < minimum):
+        need = "a finite number" + ("" if minimum is None else f" >= {minimum:g}")
+        example = default
+        if isinstance(value, str):
+            given = f"the str {value!r}"
+            with contextlib.suppress(ValueError):
+                parsed = float(value)
+                if math.isfinite(parsed) and (minimum is None or parsed >= minimum):
+                    example = parsed  # the number the string spells
+        else:
+            given = repr(value)
+        fix = "pass a number" if isinstance(value, str) else "for instance"
+        raise ValueError(f"{name} must be {need} ({meaning}), got {given}; {fix}: {name}={example:g}")
+    return float(number)
+
+
+def _dropout_note(model: torch.nn.Module) -> str:
+    """For the log-prob gap warnings: the dropout ``model`` applies in train mode, the mode of the
+    update's forward (:func:`rlkit.models.build.active_dropout`, the detector of rk.init's warning),
+    as a sentence; ``""`` when none. Train-mode dropout makes every pass's log-probs differ, so
+    the gap then measures dropout noise, not a stale engine or stale old log-probs."""
+    from rlkit.models.build import active_dropout
+
+    modules, fields = active_dropout(model) if model.training else ([], [])
+    if not modules and not fields:
+        return ""
+    where = []
+    if modules:
+        where.append(f"{len(modules)} dropout module(s), e.g. {modules[0]}")
+    if fields:
+        where.append(f"attention dropout in its config ({', '.join(fields)})")
+    return (f". The actor applies dropout in train mode ({'; '.join(where)}), the mode of the update's forward: each pass's "
+            "log-probs differ, so this gap measures dropout noise, not the engine or the old log-probs. "
+            "rk.models.disable_dropout(model) before rk.init turns it off")
+
+
+def _warn_logprob_gaps(metrics: Mapping[str, float], max_logprob_gap: float | None, step: int, temperature: Any,
+                       actor: torch.nn.Module) -> None:
+    """The two gap warnings of :func:`update`, each only when its metric was measured."""
+    if max_logprob_gap is None:
+        return
+    old_gap, gap = metrics.get("actor/old_logprob_gap"), metrics.get("actor/logprob_gap")
+    old_over = old_gap is not None and old_gap > max_logprob_gap
+    over = gap is not None and gap > max_logprob_gap
+    note = _dropout_note(actor) if old_over or over else ""
+    if old_over:
+        warnings.warn(
+            f"rlkit.update: at step {step} the batch's old_logprobs differ from the current policy's log-probs by "
+            f"{old_gap:.3g} per token on average (threshold {max_logprob_gap}) on the first "
+            "mini-batch, before any optimizer step, where the ratio should be 1 (on-policy): they were computed at "
+            f"another temperature (this update's is {temperature}; rk.compute_old_logprobs(state, batch) without "
+            "temperature uses the batch's) or from another policy version. Recompute them with rk.compute_old_logprobs "
+            f"right before the update, at its temperature{note}",
+            RuntimeWarning, stacklevel=3,
+        )
+    if over:
+        warnings.warn(
+            f"rlkit.update: at step {step} the trainer's log-probs differ from the rollout's by "
+            f"{gap:.3g} per token on average (threshold {max_logprob_gap}); the rollout "
+            f"engine may be stale, sampled at another temperature, or numerically off (this update's temperature is "
+            f"{temperature}: check update(temperature=...) matches rollout(temperature=...), or leave it None to use the "
+            f"batch's recorded one){note}",
+            RuntimeWarning, stacklevel=3,
+        )
+
+
+def _carry_new_state(exc: BaseException, new_state: TrainState, metrics: Mapping[str, float] | None) -> None:
+    """Put a finished update's new state (and its metrics, when complete) on an exception raised
+    while it reported, the input having been donated to that state: as ``exc.state`` and
+    ``exc.metrics``, the names :func:`rlkit.fit` uses for its progress."""
+    try:
+        exc.state, exc.metrics = new_state, (dict(metrics) if metrics is not None else None)
+    except Exception:  # noqa: BLE001 - an exception type without a __dict__: leave it as it is
+        return
+    if hasattr(exc, "add_note"):
+        exc.add_note(
+            f"rk.update had finished step {new_state.step - 1} when this was raised: the state passed in was donated to "
+            "the new one, which the exception carries as exc.state (its metrics as exc.metrics; in a notebook: "
+            "import sys; state = sys.last_value.state)"
+        )
+
+
 def _dp(state: TrainState):
     return state._cache.get("dp")
 
@@ -226,17 +318,26 @@ def update(
             The recipes pass their ``max_new_tokens`` when they use that aggregation.
         kl: ``(mode, coef)`` KL-to-reference penalty in the loss, e.g. ``("low_var_kl", 1e-3)``;
             uses ``batch["ref_logprobs"]`` or computes it with ``state.ref``.
-        entropy_coef: entropy bonus coefficient.
+        entropy_coef: entropy bonus coefficient, a finite number (0: no entropy bonus).
         temperature: the temperature of the trainer's log-probs (logits are divided by it, as
             verl does). None (the default): the one the batch's log-probs were sampled at, its
             ``temperature`` column (:func:`rlkit.rollout` records it; every row must agree, else a
             ``ValueError`` asks for an explicit one), or 1.0 for a batch without it (``make_batch``).
             An explicit temperature that differs from the recorded one warns (``RuntimeWarning``):
             the ratio is then not 1 on-policy.
-        mini_batch_size / micro_batch_size / epochs / shuffle: PPO-style multi-step updates.
-        max_grad_norm: gradient clipping (None: off).
+        mini_batch_size / micro_batch_size / epochs / shuffle: PPO-style multi-step updates
+            (positive ints; None for the sizes: the whole batch).
+        max_grad_norm: gradient clipping (None: off), of the actor and the critic each.
+        value_clip: PPO's value clipping, ``cliprange_value`` (None: off): the critic's new
+            values are clipped to within it of the batch's ``values``.
+        critic_coef: the weight of the critic's value loss, a finite number >= 0.
+        max_nonfinite_steps: a mini-batch whose loss or gradient is not finite skips its
+            optimizer step with a warning (``actor/skipped_steps``, ``critic/skipped_steps``);
+            this many in a row (counted across updates, in ``state.extras``, for the actor and
+            the critic apart) raise :class:`NonFiniteError`.
         max_logprob_gap: warn when the mean |train - rollout| log-prob gap exceeds it (a
-            stale engine, a wrong temperature, a numerics mismatch); None: never. The gap is
+            stale engine, a wrong temperature, a numerics mismatch, or train-mode dropout in the
+            actor, which the warning then names); a finite number > 0, or None: never. The gap is
             measured over the rows whose ``logprobs`` are of the unfiltered policy only (rows
             marked ``logprobs_filtered``, sampled with top-k/top-p, differ by design). When the
             ratio's old log-probs are the batch's ``old_logprobs``, the mean |train - old| gap
@@ -269,6 +370,13 @@ def update(
     ratio uses them);
     loss parts and ratio metrics average over the mini-batches trained (one without a response
     token is skipped). The step count is ``new_state.step``, not a metric.
+
+    Every argument, and the batch (at least one row, each row within the model's context), is
+    checked before any work (a loss's own options when it first runs, still before any optimizer
+    step), so a bad one leaves ``state`` unchanged and usable. The gap warnings
+    are emitted once the update is complete and ``state`` donated to the new state: raised as
+    errors (``warnings.simplefilter("error")``), they carry it as ``exc.state`` (see the module
+    docstring), so the step's work is not lost.
     """
     from rlkit.models.logprobs import response_logprobs, to_device, values_for_response
 
@@ -277,6 +385,19 @@ def update(
     state._check()
     validate(batch, require=("prompt_ids", "prompt_mask", "response_ids", "response_mask", "advantages"))
     check_token_ids(batch, state.actor, "update")
+    # every argument before any work: one refused after the first optimizer step (max_logprob_gap
+    # was compared only at the end) donated the state as unfinished and lost the step
+    int_at_least(epochs, "epochs", 1, " (passes over the batch)")
+    for size_name, size in (("mini_batch_size", mini_batch_size), ("micro_batch_size", micro_batch_size)):
+        if size is not None:
+            int_at_least(size, size_name, 1, " or None (the whole batch)")
+    entropy_coef = _finite_coef(entropy_coef, "entropy_coef", "0: no entropy bonus", 0.0)
+    # a negative weight would train the critic away from the returns
+    critic_coef = _finite_coef(critic_coef, "critic_coef", "the value loss's weight", 1.0, minimum=0.0)
+    positive_finite_or_none(max_logprob_gap, "max_logprob_gap", "never warn")
+    # a YAML string failed at the first skipped step, after the state was donated
+    int_at_least(max_nonfinite_steps, "max_nonfinite_steps", 1, " (skipped steps in a row before NonFiniteError)")
+    check_batch_context(state.actor, batch, "rk.update")
     keys = set(batch.keys())
     old_key = "old_logprobs" if "old_logprobs" in keys else "logprobs"
     if old not in ("batch", "current"):
@@ -291,8 +412,6 @@ def update(
             )
     elif old_key not in keys:
         raise BatchError("batch has neither 'old_logprobs' nor 'logprobs'; batches from rk.rollout carry logprobs, or call rk.compute_old_logprobs(state, batch)")
-    if epochs < 1:
-        raise ValueError(f"epochs must be >= 1, got {epochs}")
     width = batch["response_mask"].shape[-1]
     if horizon is not None:
         int_at_least(horizon, "horizon", 1, " or None (the batch's response width)")
@@ -313,6 +432,9 @@ def update(
         mismatch="the trainer's log-probs will be at another temperature than the policy that sampled the rows, so "
                  "the ratio will not be 1 on-policy",
     )
+    from rlkit.models.logprobs import _check_temperature
+
+    _check_temperature(temperature)  # here, not at the first forward: compute_ref_logprobs may run first
     if kl_coef and "ref_logprobs" not in keys:
         from rlkit.transforms.forward import compute_ref_logprobs
 
@@ -387,6 +509,8 @@ def update(
     skipped = 0
     lr_used = None
     streak = int(state.extras.get("nonfinite_streak", 0))
+    critic_skipped = 0
+    critic_streak = int(state.extras.get("critic_nonfinite_streak", 0))
     gap_abs = gap_max = None
     gap_tokens = 0.0  # this rank's response tokens the gap was measured over
     # the ratio's old log-probs from the batch's old_logprobs (given, not update's own recompute of
@@ -407,6 +531,10 @@ def update(
     # nor one after it, and it used to stay usable (rk.fit handed it back as "the state after
     # step N"). It is donated then, with a reason saying so
     in_place = False
+    # the state after the update, once it is complete: an exception while it reports (a gap warning
+    # raised as an error, Ctrl-C) donates the input to it, on the exception, instead of as unfinished
+    new_state = None
+    reported = None
     try:
         try:
             for epoch in range(epochs):
@@ -526,8 +654,20 @@ def update(
                             in_place = True
                             state.critic_optimizer.step()
                             state.critic_scheduler.step()
+                            critic_streak = 0
                         else:
+                            # as the actor's: a critic that went NaN was skipped silently, every step
                             state.critic_optimizer.zero_grad(set_to_none=True)
+                            critic_skipped += 1
+                            critic_streak += 1
+                            warnings.warn(f"rlkit.update: non-finite critic loss or gradient at step {state.step} (mini-batch {m0 // mini}); "
+                                          f"critic optimizer step skipped ({critic_streak} in a row)", RuntimeWarning, stacklevel=2)
+                            if critic_streak >= max_nonfinite_steps:
+                                raise NonFiniteError(
+                                    f"{critic_streak} consecutive updates had a non-finite critic loss or gradient (last at step {state.step}); "
+                                    "check the returns and values for extreme values (value_clip), lower the critic's learning rate "
+                                    "(critic_optimizer) or critic_coef, or enable gradient clipping"
+                                )
         finally:
             if defer_sync:
                 for module in trained:
@@ -535,6 +675,12 @@ def update(
                     # failure between micro-batches this keeps their gradients out of the next update
                     discard_unreduced_gradients(module)
 
+        new_state = state.replace(
+            step=state.step + 1,
+            policy_version=state.policy_version + (1 if steps_done else 0),
+            extras={**state.extras, "nonfinite_streak": streak,
+                    **({"critic_nonfinite_streak": critic_streak} if train_critic else {})},
+        )
         # the mini-batches that recorded metrics: an all-empty one skipped above recorded none, and
         # counting it (epochs * b // mini) diluted every average
         n_steps = max(minis_trained, 1)
@@ -560,41 +706,27 @@ def update(
             metrics["actor/logprob_gap_max"] = gap_max
         if old_abs is not None and n_old > 0:
             metrics["actor/old_logprob_gap"] = old_abs / n_old
-        if max_logprob_gap is not None and metrics.get("actor/old_logprob_gap", 0.0) > max_logprob_gap:
-            warnings.warn(
-                f"rlkit.update: at step {state.step} the batch's old_logprobs differ from the current policy's log-probs by "
-                f"{metrics['actor/old_logprob_gap']:.3g} per token on average (threshold {max_logprob_gap}) on the first "
-                "mini-batch, before any optimizer step, where the ratio should be 1 (on-policy): they were computed at "
-                f"another temperature (this update's is {temperature}; rk.compute_old_logprobs(state, batch) without "
-                "temperature uses the batch's) or from another policy version. Recompute them with rk.compute_old_logprobs "
-                "right before the update, at its temperature",
-                RuntimeWarning, stacklevel=2,
-            )
-        if max_logprob_gap is not None and metrics.get("actor/logprob_gap", 0.0) > max_logprob_gap:
-            warnings.warn(
-                f"rlkit.update: at step {state.step} the trainer's log-probs differ from the rollout's by "
-                f"{metrics['actor/logprob_gap']:.3g} per token on average (threshold {max_logprob_gap}); the rollout "
-                f"engine may be stale, sampled at another temperature, or numerically off (this update's temperature is "
-                f"{temperature}: check update(temperature=...) matches rollout(temperature=...), or leave it None to use the "
-                "batch's recorded one)",
-                RuntimeWarning, stacklevel=2,
-            )
         # the rate the (last) optimizer step of this update used; it reported the next step's, and at a
         # schedule's end a rate never applied
         metrics["actor/lr"] = lr_used if lr_used is not None else state.lr
         metrics["actor/skipped_steps"] = float(skipped)
+        if train_critic:
+            metrics["critic/skipped_steps"] = float(critic_skipped)
         # no "step" metric: the step is the state's (new_state.step), and sinks log it as their own
         # step argument; as a float metric it shadowed that step in the rows and Prometheus refused it
         if split is not None:
             payload = [{**metrics, "_stepped": 1 if steps_done else 0}]
             torch.distributed.broadcast_object_list(payload, src=split.actor_ranks[0])
-        new_state = state.replace(
-            step=state.step + 1,
-            policy_version=state.policy_version + (1 if steps_done else 0),
-            extras={**state.extras, "nonfinite_streak": streak},
-        )
+        reported = metrics
+        # after the collectives: a warning raised as an error on every rank leaves none waiting
+        _warn_logprob_gaps(metrics, max_logprob_gap, state.step, temperature, actor)
     except BaseException as e:
-        if in_place:
+        if new_state is not None:
+            # the update is complete (parameters, moments and schedules are the next step's); only
+            # its reporting failed: the new state is consistent and the exception carries it
+            state.donate("rlkit.update", new_state)
+            _carry_new_state(e, new_state, reported)
+        elif in_place:
             state.donate("rlkit.update", None, reason=f"{type(e).__name__} interrupted it mid-update, after {steps_done} "
                          f"optimizer step(s) of {epochs * (b // mini)}")
         raise
