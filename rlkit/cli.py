@@ -122,10 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "run" or os.environ.get("RLKIT_TRACEBACK") == "1":
         return args.fn(args)
     from rlkit.checkpoint import CheckpointError, Preempted
-    from rlkit.launch import Terminated
+    from rlkit.launch import Terminated, WorkerError
 
     try:
         return args.fn(args)
+    except WorkerError as e:
+        # a worker of --nproc-per-node N failed: its exception's line, not the whole traceback of
+        # the launcher's wrapper around it
+        lines = [line for line in e.worker_traceback.strip().splitlines() if line.strip()]
+        cause = lines[-1].strip() if lines else "no traceback"
+        first = str(e).split("; its traceback:", 1)[0]
+        print(f"rlkit run: error: {first}: {cause}\n(RLKIT_TRACEBACK=1 shows the worker's traceback)", file=sys.stderr)
+        return 1
     except (ValueError, CheckpointError) as e:
         # a bad option or input: its message names the fix, a traceback would bury it
         print(f"rlkit run: error: {e}\n(RLKIT_TRACEBACK=1 shows where it was raised)", file=sys.stderr)

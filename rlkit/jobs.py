@@ -105,6 +105,17 @@ def _options(options: dict[str, Any] | None) -> argparse.Namespace:
     # checked here, before the warm-up, rather than by fit() / the Checkpointer after it
     if merged["eval_every"] < 0:
         raise ValueError(f"option 'eval_every' (--eval-every) must be >= 0 (0: no evaluation during RL), got {merged['eval_every']}")
+    # with the other option checks: --out is created (and tested for writing) right after them
+    if merged["checkpoint_every"] < 0:
+        raise ValueError(f"--checkpoint-every must be >= 0 (0: no periodic saves; the last step and a SIGTERM still save), "
+                         f"got {merged['checkpoint_every']}")
+    if merged["checkpoint_every"] and not merged["out"]:
+        raise ValueError("--checkpoint-every needs --out DIR (checkpoints are written to DIR/checkpoints)")
+    from rlkit.models import PRESETS
+
+    if merged["size"] not in PRESETS:
+        # refused by tiny() only after the previous run's output was set aside
+        raise ValueError(f"option 'size' (--size) is {merged['size']!r}; the model presets are {sorted(PRESETS)}")
     if merged["keep_checkpoints"] < 0:
         raise ValueError(f"option 'keep_checkpoints' (--keep-checkpoints) must be >= 0 (0: keep every checkpoint), "
                          f"got {merged['keep_checkpoints']}")
@@ -221,10 +232,6 @@ def _resume_target(opts: argparse.Namespace):
     """
     from rlkit.checkpoint import latest, resolve
 
-    if opts.checkpoint_every < 0:
-        raise ValueError(f"--checkpoint-every must be >= 0 (0: no periodic saves; the last step and a SIGTERM still save), got {opts.checkpoint_every}")
-    if opts.checkpoint_every and not opts.out:
-        raise ValueError("--checkpoint-every needs --out DIR (checkpoints are written to DIR/checkpoints)")
     if not opts.resume:
         return None
     if opts.resume == "auto":
@@ -392,7 +399,7 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     summary = {
         "task": task_name,
         "algo": opts.algo,
-        "seed": opts.seed,
+        "seed": state.seed,  # a resumed run goes on with its checkpoint's seed, whatever --seed says
         "steps": state.step,
         "accuracy_before_rl": acc_before,
         "accuracy_after_rl": acc_after,
@@ -410,7 +417,7 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
         summary["checkpoint_bytes"] = checkpointer.last_save_bytes
     known_before = math.isfinite(acc_before)
     console.print(summary_table(
-        f"rlkit run {task_name} --algo {opts.algo} (seed {opts.seed})",
+        f"rlkit run {task_name} --algo {opts.algo} (seed {state.seed})",
         [("held-out accuracy after warm-up", f"{acc_before:.3f}" if known_before else "unknown (not in the checkpoint)"),
          ("held-out accuracy after RL", f"{acc_after:.3f}"),
          ("gain (points)", f"{100 * (acc_after - acc_before):+.1f}" if known_before else "unknown"), ("RL steps", str(state.step)), ("wall time", f"{wall:.1f} s")],

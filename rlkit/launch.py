@@ -637,10 +637,20 @@ def _check_torchrun_args(args) -> None:
             if not torch.cuda.is_available():
                 raise ValueError("--nproc-per-node is 'gpu' (one worker per GPU), but this torch sees no CUDA GPU; "
                                  "give a number of workers (e.g. --nproc-per-node 2), or cpu / auto") from None
+        if nproc == "xpu":
+            xpu = getattr(torch, "xpu", None)
+            if xpu is None or not xpu.is_available():
+                # torch elastic met it with a ValueError traceback from its own device query
+                raise ValueError("--nproc-per-node is 'xpu' (one worker per Intel GPU), but this torch sees no XPU; "
+                                 "give a number of workers (e.g. --nproc-per-node 2), or cpu / auto") from None
     else:
         if count < 1:
             raise ValueError(f"--nproc-per-node is {count}; give a number of workers on this machine >= 1 "
                              "(e.g. --nproc-per-node 2), or auto (one per GPU, else per core)")
+    if args.max_restarts < 0:
+        # torch elastic asserted on it with a bare AssertionError
+        raise ValueError(f"--max-restarts is {args.max_restarts}; give how many times to restart the workers after a "
+                         "failure, >= 0 (0: none)")
     nnodes = str(args.nnodes).strip()
     lo_text, colon, hi_text = nnodes.partition(":")
     try:

@@ -60,6 +60,7 @@ def test_run_on_two_processes_writes_a_loadable_model(tmp_path, child_env):
     (["--eval-every", "-1"], r"option 'eval_every' \(--eval-every\) must be >= 0 .*got -1"),
     (["--keep-checkpoints", "-1"], r"option 'keep_checkpoints' \(--keep-checkpoints\) must be >= 0 .*got -1"),
     (["--batch-size", "5000"], r"option 'batch_size' \(--batch-size\) is 5000, more than the 4000 training prompts.*--batch-size 4000 or less"),
+    (["--size", "huge"], r"option 'size' \(--size\) is 'huge'; the model presets are \['qwen2.5-0.5b', 'small', 'tiny'\]"),
 ])
 def test_run_refuses_bad_options_before_the_warm_up_with_a_message(args, message, monkeypatch, capsys):
     """These options used to fail at the first RL step, after the warm-up (about 1.5 min by
@@ -100,6 +101,29 @@ def test_run_on_several_processes_checks_options_before_starting_them(monkeypatc
     assert "--batch-size 15 must be a multiple of the 2 processes (--nproc-per-node); e.g. --batch-size 14" in capsys.readouterr().err
 
 
+def test_a_failed_worker_is_one_line_not_the_launchers_traceback(monkeypatch, capsys):
+    """A worker of --nproc-per-node N that raised came back as the WorkerError's whole traceback text."""
+    import importlib
+
+    from rlkit.cli import main
+    from rlkit.launch import WorkerError
+
+    text = "Traceback (most recent call last):\n  File \"w.py\", line 1, in <module>\nRuntimeError: CUDA out of memory\n"
+
+    def failing_launch(*a, **k):
+        raise WorkerError(1, text, {1: text, 0: text})
+
+    monkeypatch.setattr(importlib.import_module("rlkit.launch"), "launch", failing_launch)
+    monkeypatch.delenv("RLKIT_TRACEBACK", raising=False)
+    assert main(["run", "arithmetic", "--quiet", "--nproc-per-node", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("rlkit run: error: worker rank 1 failed (ranks [0] failed too): RuntimeError: CUDA out of memory\n")
+    assert "Traceback" not in err and "RLKIT_TRACEBACK=1" in err
+    monkeypatch.setenv("RLKIT_TRACEBACK", "1")
+    with pytest.raises(WorkerError):
+        main(["run", "arithmetic", "--quiet", "--nproc-per-node", "2"])
+
+
 TINY = {"sft_steps": 0, "steps": 2, "batch_size": 2, "n": 2, "eval_size": 4, "eval_every": 0, "quiet": True}
 
 
@@ -136,8 +160,11 @@ def test_resuming_the_run_in_out_continues_its_metrics(tmp_path):
 
     out = tmp_path / "out"
     run_task("arithmetic", {**TINY, "steps": 1, "checkpoint_every": 1, "out": str(out)})
-    summary = run_task("arithmetic", {**TINY, "steps": 2, "checkpoint_every": 1, "out": str(out), "resume": "auto"})
-    assert summary["steps"] == 2 and "resumed_from" in summary
+    # another --seed on resume: the run goes on with its checkpoint's (load warns), and the summary says which
+    with pytest.warns(RuntimeWarning, match="saved with seed=0 but the state has seed=5"):
+        summary = run_task("arithmetic", {**TINY, "steps": 2, "checkpoint_every": 1, "out": str(out), "resume": "auto",
+                                          "seed": 5})
+    assert summary["steps"] == 2 and "resumed_from" in summary and summary["seed"] == 0
     assert _steps(out / "metrics.jsonl") == [1, 2]
     assert not list(out.glob("previous-*"))
     # --steps is the step to reach: below the checkpoint's it is refused before anything runs,
@@ -201,3 +228,15 @@ def test_launch_refuses_bad_sizes_before_torch_elastic_starts(args, message, mon
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("rlkit launch: error: ") and re.search(message, err) and "Traceback" not in err
+
+
+def test_bad_checkpoint_every_creates_no_out_directory(tmp_path):
+    """--checkpoint-every -1 --out X created X (the writability probe) before refusing the option."""
+    from rlkit.jobs import check_options
+
+    out = tmp_path / "never"
+    with pytest.raises(ValueError, match=r"--checkpoint-every must be >= 0 .*got -1"):
+        check_options("arithmetic", {"checkpoint_every": -1, "out": str(out)})
+    assert not out.exists()
+    with pytest.raises(ValueError, match="--checkpoint-every needs --out DIR"):
+        check_options("arithmetic", {"checkpoint_every": 2})

@@ -157,7 +157,10 @@ def test_torchrun_argv_refuses_bad_sizes_naming_the_flag(scripts):
     # torch elastic meets these with a bare AssertionError / ValueError traceback
     for argv, flag in [(["--nproc-per-node", "0"], "--nproc-per-node"), (["--nproc-per-node", "-1"], "--nproc-per-node"),
                        (["--nproc-per-node", "many"], "--nproc-per-node"), (["--nnodes", "0"], "--nnodes"),
-                       (["--nnodes", "3:2"], "--nnodes"), (["--nnodes", "1:2:3"], "--nnodes")]:
+                       (["--nnodes", "3:2"], "--nnodes"), (["--nnodes", "1:2:3"], "--nnodes"),
+                       (["--max-restarts", "-1"], "--max-restarts")] + (
+                          [] if getattr(__import__("torch"), "xpu", None) and __import__("torch").xpu.is_available()
+                          else [(["--nproc-per-node", "xpu"], "--nproc-per-node")]):
         with pytest.raises(ValueError, match=f"^{flag} is "):
             torchrun_argv([*argv, "train.py"])
     for ok in (["--nproc-per-node", "auto"], ["--nproc-per-node", "cpu"], ["--nnodes", "1:2", "--rdzv-endpoint", "h:1"]):
