@@ -37,7 +37,7 @@ def test_config_errors(task):
 
     with pytest.raises(ValueError, match="unknown option.*'stpes'"):
         run_task("arithmetic", {"stpes": 3})
-    with pytest.raises(TypeError, match="GRPO.__init__\\(\\) got an unexpected keyword argument 'nn'"):
+    with pytest.raises(TypeError, match=r"rk.recipes.get\('grpo'\): GRPO has no field\(s\) \['nn'\] \(did you mean 'n' for 'nn'\?\); its fields: n, max_new_tokens"):
         rk.recipes.get("grpo", nn=3)
     with pytest.raises(ValueError, match="unknown LR schedule 'cosin'"):
         rk.optim.adamw(lr=1e-3, schedule="cosin", total_steps=10)

@@ -240,5 +240,6 @@ def check_fields(factory: Callable, changes: Mapping[str, Any], where: str) -> N
         import difflib
 
         near = {u: difflib.get_close_matches(u, names, n=1) for u in unknown}
-        hint = "".join(f"; did you mean {m[0]!r} for {u!r}?" for u, m in near.items() if m)
+        close = [f"{m[0]!r} for {u!r}" for u, m in near.items() if m]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise TypeError(f"{where}: {cls.__name__} has no field(s) {unknown}{hint}; its fields: {', '.join(names)}")
