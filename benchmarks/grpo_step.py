@@ -30,7 +30,6 @@ import statistics
 import sys
 import time
 import traceback
-import warnings
 
 import torch
 
@@ -392,6 +391,10 @@ def summarize(wl, times_list, metrics_list, n_params, ceilings, device) -> dict:
 SERIAL = "phases one at a time (per-phase times)"
 
 
+#: the configuration that steps the bf16 weights themselves, as TRL does
+PLAIN_ADAMW = "AdamW on the bf16 weights themselves (master_weights=False, as TRL)"
+
+
 def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dict, only: tuple[str, ...] | None = None):
     """Time other step configurations in the same process, each after one warm-up step (``only``:
     just the configurations of those names)."""
@@ -415,6 +418,8 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
         configs.append(("the head recomputed in the backward (KEEP_LOGITS=False)", {}, "checkpoint_logits"))
         if is_compiled(model):
             configs.append(("eager model (compile=False)", {}, "eager"))
+    if any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()):
+        configs.append((PLAIN_ADAMW, {}, "plain_adamw"))
     for name, changes, mode in configs:
         if only is not None and name not in only:
             continue
@@ -428,6 +433,11 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
                 L.SHARE_PROMPTS = not sharing
             if mode == "checkpoint_logits":
                 L.KEEP_LOGITS = False
+            if mode == "plain_adamw":
+                kept = (state.optimizer, state.scheduler, state.optimizer_spec)
+                spec = dataclasses.replace(state.optimizer_spec, master_weights=False)
+                opt, sched = spec.build(state.actor)
+                state = state.replace(optimizer=opt, scheduler=sched, optimizer_spec=spec)
             if mode == "compiled_engine":
                 from rlkit.engines import TorchEngine
 
@@ -464,6 +474,9 @@ def time_configs(state, model, prompts, wl, device, n_params, ceilings, out: dic
                 for m in (state.actor, state.ref):
                     if m is not None:
                         compile_layers(m)
+            if mode == "plain_adamw":
+                # back to the master copies (stale by these few steps: a timing run, not a training one)
+                state = state.replace(optimizer=kept[0], scheduler=kept[1], optimizer_spec=kept[2])
     return state
 
 
@@ -498,8 +511,10 @@ def print_table(res: dict, trl: dict | None) -> None:
     ]
     if res.get("clipfrac_vs_behaviour_step1") is not None:
         rows.append(("clip fraction vs behaviour, step 1", f"{res['clipfrac_vs_behaviour_step1']:.4f}"))
-    if res.get("weights_a_step_can_move") is not None:
-        rows.append(("bf16 weights a step of lr can move", f"{res['weights_a_step_can_move']:.0%} (rk.state.movable_fraction)"))
+    if res.get("weights_bf16_adamw_can_move") is not None:
+        master = "float32 master copies" if res.get("master_weights") else "none (AdamW on the bf16 weights)"
+        rows.append(("optimizer master weights", master))
+        rows.append(("  share a step of lr keeps in bf16 (TRL's AdamW)", f"{res['weights_bf16_adamw_can_move']:.0%} (rk.state.movable_fraction)"))
     if res.get("peak_memory_gb") is not None:
         rows.append(("peak GPU memory", f"{res['peak_memory_gb']:.1f} GB"))
     if trl:
@@ -637,16 +652,16 @@ def main(argv=None) -> dict:
     result["keep_logits"] = L.KEEP_LOGITS
     wl, model, tok, texts = build(args.preset, device)
     n_params = param_count(model)
+    from rlkit.optim import MasterWeightAdamW
     from rlkit.state import movable_fraction
 
-    # TRL's setting as the comparison runs it (bf16 weights, lr 1e-6): most of each step rounds away
-    # in bf16 for both; rk.init warns of it, and the result records the share a step can move
+    # bf16 weights at lr 1e-6 (TRL's default): AdamW on the bf16 weights themselves, as TRL runs it,
+    # keeps only this share of a step; rlkit's default steps float32 master copies instead
     moved = movable_fraction(model, wl.lr)
     if moved is not None:
-        result["weights_a_step_can_move"] = moved
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*optimizer step changes only", category=RuntimeWarning)
-        state = init(model, adamw(lr=wl.lr), tokenizer=tok, ref="copy" if wl.beta else None)
+        result["weights_bf16_adamw_can_move"] = moved
+    state = init(model, adamw(lr=wl.lr), tokenizer=tok, ref="copy" if wl.beta else None)
+    result["master_weights"] = isinstance(state.optimizer, MasterWeightAdamW)
     prompts = as_prompts(texts, tok)
 
     if args.check and gpu:

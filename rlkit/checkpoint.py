@@ -925,13 +925,15 @@ def load(
 
 
 def _regroup(template: TrainState, specs: dict[str, Any]) -> dict[str, Any]:
-    """Optimizers and schedulers rebuilt from a governing saved spec whose ``no_decay`` differs
-    from the template's (so their parameter groups match the saved state), by TrainState field."""
+    """Optimizers and schedulers rebuilt from a governing saved spec whose ``no_decay`` or
+    ``master_weights`` differs from the template's (so their parameter groups, and the float32
+    master copies, match the saved state), by TrainState field."""
     out: dict[str, Any] = {}
     for model_key, opt_key, sched_key in _TRAINED:
         spec, model = specs.get(_SPEC_OF[model_key]), getattr(template, model_key)
         given = getattr(template, _SPEC_OF[model_key]) or (template.optimizer_spec if model_key == "critic" else None)
-        if spec is None or model is None or getattr(template, opt_key) is None or given is None or spec.no_decay == given.no_decay:
+        if (spec is None or model is None or getattr(template, opt_key) is None or given is None
+                or (spec.no_decay, spec.master_weights) == (given.no_decay, given.master_weights)):
             continue
         out[opt_key], out[sched_key] = spec.build(model)
     return out

@@ -335,9 +335,6 @@ def init(
                          f"randomness), got {seed!r}")
     _warn_dropout(model)
     spec = optimizer or adamw()
-    _warn_low_precision(model, spec, "actor")
-    if critic is not None:
-        _warn_low_precision(critic, critic_optimizer or spec, "critic")
     if device is not None:
         model = model.to(_checked_device(device))
     if tokenizer is None:
@@ -347,10 +344,12 @@ def init(
     if ref is not None:
         ref = ref.to(next(model.parameters()).device).eval().requires_grad_(False)
     opt, sched = spec.build(model)
+    _warn_low_precision(model, opt, spec, "actor")
     c_opt = c_sched = None
     if critic is not None:
         critic = critic.to(next(model.parameters()).device)
         c_opt, c_sched = (critic_optimizer or spec).build(critic)
+        _warn_low_precision(critic, c_opt, critic_optimizer or spec, "critic")
     from rlkit.models.compile import maybe_compile
 
     for module in (model, ref, critic):
@@ -381,7 +380,8 @@ def movable_fraction(model: nn.Module, lr: float, sample: int = 1 << 20) -> floa
     own dtype (a step is kept when it is at least half the spacing of representable numbers at the
     weight: round to nearest), estimated on about ``sample`` evenly spaced elements; None when no
     trainable weight is bf16/fp16. AdamW's steps are about ``lr`` in size, so at lr 1e-6 a bf16
-    weight of 0.02 (spacing 1.2e-4) never changes: there is no float32 master copy in rk.update."""
+    weight of 0.02 (spacing 1.2e-4) never changes, unless the optimizer keeps float32 master
+    copies (``OptimizerSpec.master_weights``, on by default for such weights)."""
     params = [p for p in model.parameters() if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)]
     if not params:
         return None
@@ -400,20 +400,23 @@ def movable_fraction(model: nn.Module, lr: float, sample: int = 1 << 20) -> floa
     return moved / seen if seen else None
 
 
-def _warn_low_precision(model: nn.Module, spec: OptimizerSpec, role: str) -> None:
-    """Warn when most of ``model``'s trainable weights are bf16/fp16 and too large for a step of
-    ``spec.lr`` to change them (:func:`movable_fraction`)."""
+def _warn_low_precision(model: nn.Module, optimizer, spec: OptimizerSpec, role: str) -> None:
+    """Warn when ``optimizer`` steps bf16/fp16 weights in their own dtype (``master_weights=False``)
+    and most are too large for a step of ``spec.lr`` to change them (:func:`movable_fraction`)."""
+    from rlkit.optim import MasterWeightAdamW
+
+    if isinstance(optimizer, MasterWeightAdamW):
+        return
     share = movable_fraction(model, float(spec.lr))
     if share is None or share >= LOW_PRECISION_MOVABLE:
         return
     dtype = next(p.dtype for p in model.parameters() if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16))
     warnings.warn(
         f"rk.init: the {role}'s trainable weights are {str(dtype).replace('torch.', '')} and at lr={spec.lr:g} an "
-        f"optimizer step changes only {share:.0%} of them: the rest round back to the same value (rk.update keeps no "
-        "float32 master copy on one device). Fix: train in float32 (load or build the model with "
-        "dtype=torch.float32), or lower the pipeline with FSDP mixed precision (Pipeline.lower(mixed_precision=True): "
-        "float32 sharded weights, bf16 compute), or raise lr to where steps are kept "
-        "(rk.state.movable_fraction(model, lr) measures it)",
+        f"optimizer step changes only {share:.0%} of them: the rest round back to the same value (the optimizer was "
+        "built with master_weights=False, so it keeps no float32 copy). Fix: leave master_weights at None (the default: "
+        "float32 master copies of bf16/fp16 weights, rk.optim.MasterWeightAdamW), or train in float32, or raise lr to "
+        "where steps are kept (rk.state.movable_fraction(model, lr) measures it)",
         RuntimeWarning, stacklevel=3,
     )
 

@@ -43,12 +43,15 @@ def _init_warnings(model, **kw):
 
 
 def test_init_warns_when_bf16_weights_cannot_follow_the_lr(tiny_model, char_tok):
+    """Only with master_weights=False: by default the optimizer steps float32 master copies."""
+    off = dict(master_weights=False)
     model = _bf16(tiny_model)
-    (message,) = _init_warnings(model, optimizer=rk.optim.adamw(lr=1e-6), tokenizer=char_tok)
+    (message,) = _init_warnings(model, optimizer=rk.optim.adamw(lr=1e-6, **off), tokenizer=char_tok)
     assert "actor's trainable weights are bfloat16 and at lr=1e-06" in message
-    assert "dtype=torch.float32" in message and "mixed_precision=True" in message
-    assert _init_warnings(_bf16(tiny_model), optimizer=rk.optim.adamw(lr=1e-3), tokenizer=char_tok) == []
-    assert _init_warnings(copy.deepcopy(tiny_model), optimizer=rk.optim.adamw(lr=1e-6), tokenizer=char_tok) == []
+    assert "leave master_weights at None" in message and "train in float32" in message
+    assert _init_warnings(_bf16(tiny_model), optimizer=rk.optim.adamw(lr=1e-6), tokenizer=char_tok) == []  # master copies
+    assert _init_warnings(_bf16(tiny_model), optimizer=rk.optim.adamw(lr=1e-3, **off), tokenizer=char_tok) == []
+    assert _init_warnings(copy.deepcopy(tiny_model), optimizer=rk.optim.adamw(lr=1e-6, **off), tokenizer=char_tok) == []
     frozen = _bf16(tiny_model).requires_grad_(False)  # nothing trainable in bf16: nothing to warn about
     assert movable_fraction(frozen, 1e-6) is None
 
@@ -57,7 +60,7 @@ def test_init_warns_for_a_bf16_critic_too(tiny_model, char_tok):
     actor = copy.deepcopy(tiny_model)
     critic = rk.models.critic(_bf16(tiny_model))
     (message,) = _init_warnings(actor, optimizer=rk.optim.adamw(lr=1e-3), tokenizer=char_tok, critic=critic,
-                                critic_optimizer=rk.optim.adamw(lr=1e-6))
+                                critic_optimizer=rk.optim.adamw(lr=1e-6, master_weights=False))
     assert "the critic's trainable weights are bfloat16" in message
 
 
