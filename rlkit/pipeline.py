@@ -277,11 +277,15 @@ class Plan:
         if state.ref is not None:
             cache["ref_module"] = fsdp.shard_model(LogprobModule(state.ref), actor_mesh, **opts)
         # optimizers must see the sharded (DTensor) parameters: rebuild them from the spec
+        from rlkit.state import warn_sharded_low_precision
+
         spec = state.optimizer_spec
         optimizer, scheduler = spec.build(actor)
+        warn_sharded_low_precision(actor, spec, "actor", "Pipeline.lower")
         if state.critic is not None:
             # the critic's own spec (init's critic_optimizer): it was rebuilt with the actor's
             critic_opt, critic_sched = (state.critic_optimizer_spec or spec).build(state.critic)
+            warn_sharded_low_precision(state.critic, state.critic_optimizer_spec or spec, "critic", "Pipeline.lower")
         else:
             critic_sched = None
         return state.replace(optimizer=optimizer, scheduler=scheduler, critic_optimizer=critic_opt,
@@ -326,6 +330,9 @@ class Plan:
         cache.update(actor_module=fsdp.shard_model(LogprobModule(actor), mesh, **opts),
                      dp=DataParallel(mesh, list(actor_ranks).index(me), len(actor_ranks)), grad_reduce=self.grad_reduce)
         optimizer, scheduler = state.optimizer_spec.build(actor)
+        from rlkit.state import warn_sharded_low_precision
+
+        warn_sharded_low_precision(actor, state.optimizer_spec, "actor", "Pipeline.lower")
         return state.replace(optimizer=optimizer, scheduler=scheduler, _cache=cache)
 
     def _split_sync(self, state: TrainState) -> dict[str, float]:

@@ -390,7 +390,9 @@ def movable_fraction(model: nn.Module, lr: float, sample: int = 1 << 20) -> floa
     moved = seen = 0
     with torch.no_grad():
         for p in params:
-            w = p.detach().reshape(-1)[::stride].float().abs()
+            local = p.detach()
+            local = local.to_local() if hasattr(local, "to_local") else local  # FSDP2's DTensor: this rank's shard
+            w = local.reshape(-1)[::stride].float().abs()
             if not w.numel():
                 continue
             # spacing at |w|: eps * 2**floor(log2|w|); zeros (and subnormals) move with any step
@@ -417,6 +419,24 @@ def _warn_low_precision(model: nn.Module, optimizer, spec: OptimizerSpec, role: 
         "built with master_weights=False, so it keeps no float32 copy). Fix: leave master_weights at None (the default: "
         "float32 master copies of bf16/fp16 weights, rk.optim.MasterWeightAdamW), or train in float32, or raise lr to "
         "where steps are kept (rk.state.movable_fraction(model, lr) measures it)",
+        RuntimeWarning, stacklevel=3,
+    )
+
+
+def warn_sharded_low_precision(model: nn.Module, spec: OptimizerSpec, role: str, where: str) -> None:
+    """Warn when ``model``'s FSDP-sharded trainable weights are bf16/fp16 (no float32 master copies:
+    :class:`rlkit.optim.MasterWeightAdamW` steps plain tensors only, and FSDP keeps float32 shards only
+    of a float32 model) and most are too large for a step of ``spec.lr`` to change them."""
+    if spec.master_weights is False:
+        return  # chosen: rk.init warned about it already
+    share = movable_fraction(model, float(spec.lr))
+    if share is None or share >= LOW_PRECISION_MOVABLE:
+        return
+    warnings.warn(
+        f"{where}: the {role}'s sharded trainable weights are bf16/fp16, so its optimizer steps them in their own dtype "
+        f"(no float32 master copies over FSDP shards): at lr={spec.lr:g} a step changes only {share:.0%} of them. Fix: "
+        "give rk.init a float32 model and lower with mixed_precision=True (the default on GPUs): FSDP then keeps "
+        "float32 shards and computes in bf16",
         RuntimeWarning, stacklevel=3,
     )
 
