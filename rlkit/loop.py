@@ -68,7 +68,10 @@ def fit(
 
     Nothing is lost when the run stops early: an exception leaving ``fit`` (an error in a reward
     or ``eval_fn``, or Ctrl-C) carries the latest state and the history so far as ``exc.state``
-    and ``exc.history`` (the state passed in was donated to the first update).
+    and ``exc.history`` (the state passed in was donated to the first update). A step whose
+    evaluation was interrupted keeps its training metrics (in ``exc.history`` and the sinks).
+    Using the donated handle again (the cell run a second time) raises a ``DonatedStateError``
+    that names the stop and carries the same latest state as its ``.state``.
     """
     state, recipe, sinks = _check_fit_args(state, recipe, reward, steps, sinks, checkpointer)
     history: list[dict[str, float]] = []
@@ -96,6 +99,7 @@ def fit(
     if state.step > 0:
         rewind_all(sinks, state.step)
     t_start = time.perf_counter()
+    given = state  # the handle passed in (donated to the first update)
     try:
         # the checkpointer's SIGTERM handler (save at the next step boundary) only while the loop runs
         with getattr(checkpointer, "armed", contextlib.nullcontext)():
@@ -111,7 +115,15 @@ def fit(
                 metrics["time/step_s"] = time.perf_counter() - t0
                 metrics["time/elapsed_s"] = time.perf_counter() - t_start
                 if eval_fn is not None and eval_every and (state.step % eval_every == 0 or state.step == steps):
-                    metrics.update({f"eval/{k}": v for k, v in _eval_metrics(eval_fn, state).items()})
+                    try:
+                        evaluated = _eval_metrics(eval_fn, state)
+                    except BaseException:
+                        # Ctrl-C in a slow evaluation (or an eval_fn error) after the step trained: its
+                        # training metrics are kept and logged, as exc.state is this step's state
+                        history.append(metrics)
+                        broadcast(sinks, state.step, metrics)
+                        raise
+                    metrics.update({f"eval/{k}": v for k, v in evaluated.items()})
                 history.append(metrics)
                 broadcast(sinks, state.step, metrics)
                 if checkpointer is not None:
@@ -126,6 +138,10 @@ def fit(
         elif _is_live_state(getattr(exc, "state", None)):
             state = exc.state  # an update that finished, then failed (NonFiniteError, a warning as error): its new state
         _attach_progress(exc, state, history)
+        if _is_live_state(state):
+            from rlkit.state import record_stop
+
+            record_stop(given, state, exc)  # the cell run again with the donated handle points here
         raise
     return state, history
 

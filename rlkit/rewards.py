@@ -1,7 +1,9 @@
 """Ready-made reward functions (TRL-style: ``f(completions, **columns) -> list[float]``).
 
 They take the decoded completions and the batch's columns by name, so the same function works
-with ``rk.score`` and with TRL's trainers.
+with ``rk.score`` and with TRL's trainers. A completion may also be what TRL passes for a
+conversational dataset, a list of messages (``[{"role": "assistant", "content": text}]``): its
+last message's content is scored.
 """
 from __future__ import annotations
 
@@ -16,6 +18,21 @@ _NUMBER = re.compile(r"-?[\d,]*\.?\d+")
 _GROUPED = re.compile(r"(?<![\d,.])\d{1,3}(?:,\d{3})+(?!\d|,\d)")
 
 
+def _text(completion: Any) -> str:
+    """A completion's text: a string as it is; TRL's conversational form, a list of message dicts,
+    its last message's ``content`` (the assistant's reply)."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, (list, tuple)) and completion and isinstance(completion[-1], dict) and "content" in completion[-1]:
+        content = completion[-1]["content"]
+        if isinstance(content, list):  # multimodal content parts: their text
+            return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return str(content)
+    if isinstance(completion, dict) and "content" in completion:
+        return str(completion["content"])
+    return str(completion)
+
+
 def _norm(x: Any) -> str:
     """``x`` as stripped text, the thousands separators of its numbers removed (other commas kept)."""
     return _GROUPED.sub(lambda m: m.group(0).replace(",", ""), str(x).strip())
@@ -25,7 +42,7 @@ def exact_match(completions: Sequence[str], answer: Sequence[Any], **_) -> list[
     """1.0 where the completion, stripped, equals the answer, else 0. Thousands separators in
     numbers are ignored ("1,234" equals "1234"); every other comma counts ("Paris, France" is not
     "Paris France", "1,2" is not "12")."""
-    return [float(_norm(c) == _norm(a)) for c, a in zip(completions, answer)]
+    return [float(_norm(_text(c)) == _norm(a)) for c, a in zip(completions, answer)]
 
 
 def extract_hash_answer(text: str) -> str | None:
@@ -45,7 +62,7 @@ def math_answer(completions: Sequence[str], answer: Sequence[Any], **_) -> list[
     out = []
     for c, a in zip(completions, answer):
         ref = extract_hash_answer(str(a)) or _norm(a)
-        got = extract_hash_answer(c)
+        got = extract_hash_answer(_text(c))
         try:
             ok = got is not None and float(got) == float(ref)
         except ValueError:
@@ -60,7 +77,7 @@ def format_reward(pattern: str, *, full: bool = True, name: str | None = None):
 
     def reward(completions: Sequence[str], **_) -> list[float]:
         match = regex.fullmatch if full else regex.search
-        return [float(match(c.strip()) is not None) for c in completions]
+        return [float(match(_text(c).strip()) is not None) for c in completions]
 
     reward.__name__ = name or "format"
     return reward
@@ -75,7 +92,7 @@ def hash_format(completions: Sequence[str], **_) -> list[float]:
     goes on after its answer line (``"#### 42\nWait, ..."``) scores 0.0."""
     out = []
     for c in completions:
-        lines = [line for line in c.splitlines() if line.strip()]
+        lines = [line for line in _text(c).splitlines() if line.strip()]
         out.append(float(bool(lines) and _HASH_LINE.fullmatch(lines[-1].strip()) is not None))
     return out
 

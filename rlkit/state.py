@@ -37,6 +37,12 @@ class _Donation:
     donated: bool = False
     by: str = ""
     reason: str = ""  # set when the call that consumed the state did not finish (see update)
+    # rk.fit stopped by an exception (Ctrl-C, a failing reward) after it donated this handle: the
+    # run's latest state, which the exception carries, and what stopped it; re-running the cell
+    # with this handle then points at it (a DonatedStateError replaced the exception as
+    # sys.last_value, so `sys.last_value.state` no longer reached it)
+    latest: Any = None
+    stopped: str = ""
 
 
 #: what each consumer did to a donated state, and what to use instead
@@ -112,8 +118,18 @@ class TrainState:
             donation = object.__getattribute__(self, "_donation")
             if donation.donated:
                 direct = object.__getattribute__(self, "__dict__").get("_donated_here", False)
-                raise DonatedStateError(_donated_message(donation, direct))
+                error = DonatedStateError(_donated_message(donation, direct))
+                error.state = _live_latest(donation)  # as fit's own exception carries it: sys.last_value.state
+                raise error
         return object.__getattribute__(self, name)
+
+    def __repr__(self) -> str:
+        donation = object.__getattribute__(self, "_donation")
+        if donation.donated:
+            # a notebook still shows (and a debugger inspects) the old handle: describe it, don't raise
+            return f"TrainState(<donated to {donation.by}: use the state it returned{'; see .state of the last error' if _live_latest(donation) is not None else ''}>)"
+        shown = ", ".join(f"{f.name}={object.__getattribute__(self, f.name)!r}" for f in fields(self) if f.repr)
+        return f"TrainState({shown})"
 
     def _check(self) -> None:
         self.step  # noqa: B018 - raises if donated
@@ -183,8 +199,36 @@ class TrainState:
         return generator(fold_in(self.seed, self.step, *path), device=device or self.device)
 
 
+def _live_latest(donation: _Donation) -> "TrainState | None":
+    """The latest state of the run that stopped after consuming this handle (see
+    :func:`record_stop`), while it is still usable; None otherwise."""
+    latest = donation.latest
+    if latest is None or object.__getattribute__(latest, "_donation").donated:
+        return None
+    return latest
+
+
+def record_stop(handle: "TrainState", latest: "TrainState | None", exc: BaseException) -> None:
+    """Note on ``handle`` (the state passed to ``rk.fit``, donated to its first update) that the
+    run stopped with ``exc`` and that its latest state is ``latest``: using ``handle`` again (the
+    cell run a second time) raises a :class:`DonatedStateError` that says so and carries
+    ``latest`` as ``.state``."""
+    donation = object.__getattribute__(handle, "_donation")
+    if not donation.donated or latest is None or latest is handle:
+        return
+    donation.latest = latest
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    donation.stopped = f"{type(exc).__name__}{': ' + text[:100] if text else ''}"
+
+
 def _donated_message(donation: _Donation, direct: bool) -> str:
     """The :class:`DonatedStateError` of a handle: what consumed it, and what to use instead."""
+    latest = _live_latest(donation)
+    if latest is not None:
+        return (f"this TrainState was passed to rk.fit, which stopped with {donation.stopped} after step "
+                f"{object.__getattribute__(latest, 'step')}; its parameters and optimizer moved on in place, so this "
+                "handle can no longer be used. The run's latest state is that exception's .state, and this error's: "
+                "`state = sys.last_value.state` in a notebook, then run the cell again")
     if donation.reason:
         return (f"this TrainState was donated to {donation.by}, which did not finish ({donation.reason}): its parameters "
                 "and optimizer state were already changed in place, so it (and any handle sharing its models) is not "

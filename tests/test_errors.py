@@ -273,8 +273,10 @@ def test_fit_hands_back_its_state_and_history_when_stopped(task, state):
 
     with pytest.raises(RuntimeError, match="eval broke") as info:
         rk.fit(kept, recipe, task.reward, task.train, steps=5, batch_size=2, eval_fn=failing_eval, eval_every=2)
-    # step 3 ran; step 4's update ran, then its evaluation failed: the state after it is kept
-    assert info.value.state.step == 4 and len(info.value.history) == 1
+    # step 3 ran; step 4's update ran, then its evaluation failed: the state after it is kept, and
+    # so are step 4's training metrics (without its evaluation)
+    assert info.value.state.step == 4 and len(info.value.history) == 2
+    assert not any(k.startswith("eval/") for k in info.value.history[-1])
     state, history = rk.fit(info.value.state, recipe, task.reward, task.train, steps=5, batch_size=2)
     assert state.step == 5 and len(history) == 1  # the kept state trains on
 

@@ -387,3 +387,42 @@ def test_batch_style_reward_errors_show_the_samples_text():
         rk.score(b, lambda batch: torch.tensor([1.0, float("nan")]), tokenizer=tok)
     with pytest.raises(RewardError, match=r"sample 1 \(prompt '\?', response '\?'\)"):  # no tokenizer: no text to show
         rk.score(b, lambda batch: torch.tensor([1.0, float("nan")]))
+
+
+def test_a_varargs_wrapper_is_called_by_keyword_as_trl_calls_it():
+    """f(*args, **kwargs) (a decorator without functools.wraps, or a reward reading kwargs) got the
+    completions positionally: "got multiple values for argument 'prompts'", or a KeyError."""
+    b = make_batch([[5, 6], [5, 6]], [[7, 8], [9]], group=[0, 0], columns={"solution": ["1", "2"]})
+    rk.set_column(b, "response_text", ["1", "2"])
+    rk.set_column(b, "prompt_text", ["p", "p"])
+
+    def logged(fn):
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return wrapper
+
+    @logged
+    def accuracy(prompts, completions, solution, **kwargs):
+        return [float(c == s) for c, s in zip(completions, solution)]
+
+    def generic(*args, **kwargs):
+        assert not args
+        return [float(len(c)) for c in kwargs["completions"]]
+
+    assert rk.score(b, accuracy)["rewards"].tolist() == [1.0, 1.0]
+    assert rk.score(b, generic)["rewards"].tolist() == [1.0, 1.0]
+
+
+def test_builtin_rewards_read_trls_conversational_completions():
+    """With chat prompts TRL passes each completion as [{"role": "assistant", "content": text}]:
+    exact_match and math_answer scored right answers 0.0, hash_format and format_reward raised."""
+    from rlkit.rewards import format_reward, hash_format, math_answer
+
+    texts = ["#### 42", "41"]
+    chat = [[{"role": "assistant", "content": t}] for t in texts]
+    answers = ["42", "41"]
+    for fn in (exact_match, math_answer, hash_format, format_reward(r"#### \d+")):
+        kw = {"answer": answers} if fn in (exact_match, math_answer) else {}
+        assert fn(completions=chat, **kw) == fn(completions=texts, **kw), fn.__name__
+    assert exact_match(completions=chat, answer=["#### 42", "41"]) == [1.0, 1.0]
+    assert math_answer(completions=chat, answer=answers) == [1.0, 0.0]

@@ -288,8 +288,9 @@ def _trl_extras(batch: Batch, logged: dict[str, list[float]]) -> dict[str, Any]:
 
 def _by_keyword(fn: Callable, params: Mapping[str, inspect.Parameter], keywords: Iterable[str] = ()) -> bool:
     """TRL calls a reward function only by keyword (``completions=..., prompts=...``): so does
-    ``score`` where ``fn`` has a keyword parameter ``completions``, no positional parameter, or a
-    first positional parameter named as one of ``keywords`` (the names passed by keyword:
+    ``score`` where ``fn`` has a keyword parameter ``completions``, no positional parameter, only
+    ``*args`` with ``**kwargs`` (an undecorated wrapper), or a first positional parameter named as
+    one of ``keywords`` (the names passed by keyword:
     ``f(completion_ids, **kwargs)``, ``f(prompts, **kwargs)``, ``f(answer, **kwargs)``, where the
     completions given positionally collided with that keyword). Others (``f(responses, answer)``)
     get the completions positionally, as before. One rule for :func:`rlkit.score` and
@@ -302,6 +303,10 @@ def _by_keyword(fn: Callable, params: Mapping[str, inspect.Parameter], keywords:
         return p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)
     positional = [q for q in params.values() if q.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD, P.VAR_POSITIONAL)]
     if not positional:
+        return True
+    if positional[0].kind is P.VAR_POSITIONAL and any(q.kind is P.VAR_KEYWORD for q in params.values()):
+        # f(*args, **kwargs): a decorator's wrapper without functools.wraps, or a reward reading
+        # kwargs["completions"]: what it forwards or reads is what TRL passes, all by keyword
         return True
     return positional[0].kind is P.POSITIONAL_OR_KEYWORD and positional[0].name in set(keywords)
 
