@@ -442,10 +442,10 @@ def _roles(state: TrainState, save_ref: bool) -> list[str]:
     return roles
 
 
-def _sd_options():
+def _sd_options(strict: bool = True):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=False, cpu_offload=False)
+    return StateDictOptions(full_state_dict=False, cpu_offload=False, strict=strict)
 
 
 def _model_optim_sd(model, optimizer) -> tuple[dict, dict | None, dict]:
@@ -861,6 +861,7 @@ def load(
 
             # an empty template optimizer is initialised by DCP (zero-lr step), then overwritten
             sd[model_key], sd[opt_key] = get_state_dict(model, optimizer, options=_sd_options())
+            info = {**info, "partial": _keep_saved_optimizer_state(sd[opt_key], opt_key, saved_keys)}
         else:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -874,11 +875,18 @@ def load(
         with _quiet_dcp(), _interrupts_unwrapped():
             dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed())
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's wrapper is a BaseException in torch 2.13
-        raise CheckpointCorruptError(f"checkpoint {path}: reading the tensors failed ({type(exc).__name__}: {str(exc)[:500]}); {_try_previous(path)}") from exc
+        raise CheckpointCorruptError(f"checkpoint {path}: reading the tensors failed ({_last_line(exc)}); {_try_previous(path)}") from exc
 
     for model_key, opt_key, sched_key, info in plans:
         model, optimizer = getattr(template, model_key), current(opt_key)
-        if optimizer is not None and info["initialized"]:
+        if optimizer is not None and info["initialized"] and info.get("partial"):
+            # a parameter without saved state (no gradient before the save): DCP refuses that unless
+            # not strict; the model itself still loads strictly
+            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+            set_model_state_dict(model, sd[model_key], options=_sd_options())
+            set_optimizer_state_dict(model, optimizer, sd[opt_key], options=_sd_options(strict=False))
+        elif optimizer is not None and info["initialized"]:
             set_state_dict(model, optimizer, model_state_dict=sd[model_key], optim_state_dict=sd[opt_key], options=_sd_options())
         else:
             set_model_state_dict(model, sd[model_key], options=_sd_options())
@@ -922,6 +930,36 @@ def load(
     )
     template.donate("rlkit.checkpoint.load", restored)
     return restored
+
+
+def _keep_saved_optimizer_state(osd: dict[str, Any], opt_key: str, saved_keys: set[str]) -> bool:
+    """Drop from the template's optimizer state dict ``osd`` (DCP's FQN-keyed form) the entries the
+    checkpoint does not have, so that DCP reads only what was saved: the state of a parameter that
+    had no gradient yet when the run saved (its AdamW state is created at its first step, as in the
+    run that saved), and a float32 master copy (:class:`rlkit.optim.MasterWeightAdamW`) that a run
+    of float32 weights never had (it is taken from the loaded parameter at the next step). Both
+    used to fail the load as a corrupt checkpoint ("Missing key in checkpoint state_dict").
+    Returns whether a parameter was left without any state."""
+    state = osd.get("state")
+    if not isinstance(state, dict):
+        return False
+    emptied = False
+    for fqn in list(state):
+        entries = state[fqn]
+        for key in list(entries):
+            if f"{opt_key}.state.{fqn}.{key}" not in saved_keys:
+                del entries[key]
+        if not entries:
+            del state[fqn]
+            emptied = True
+    return emptied
+
+
+def _last_line(exc: BaseException) -> str:
+    """``Type: last line`` of an exception whose message may be a traceback (DCP puts each rank's
+    there, the cause on its last line, which cutting the text at a length dropped)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1][:400] if lines else ''}"
 
 
 def _regroup(template: TrainState, specs: dict[str, Any]) -> dict[str, Any]:

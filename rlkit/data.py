@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import operator
 import os
+import reprlib
 import sys
 from collections import abc
 from dataclasses import dataclass, field
@@ -28,6 +29,23 @@ class DataError(ValueError):
 def _is_array(x: Any) -> bool:
     """A torch tensor or a numpy array (numpy not imported)."""
     return isinstance(x, torch.Tensor) or (type(x).__module__ == "numpy" and type(x).__name__ == "ndarray")
+
+
+#: a bounded repr for the values a data repr shows (a first prompt, column names, a task's info): a
+#: notebook cell, a debugger's variable view or a traceback with locals shows it as it is
+_BRIEF = reprlib.Repr()
+_BRIEF.maxstring, _BRIEF.maxother, _BRIEF.maxlist, _BRIEF.maxdict, _BRIEF.maxlevel = 60, 60, 8, 8, 2
+
+
+def _brief(value: Any) -> str:
+    return _BRIEF.repr(value)
+
+
+def _rows_repr(kind: str, n: int, text: Sequence[Any], columns: Mapping[str, Any]) -> str:
+    """``kind(n=..., columns=[...], first=...)``: the size and shape of a prompt set or batch, not
+    its rows (the generated repr printed every prompt, id row and column: megabytes for a large set)."""
+    first = f", first={_brief(text[0])}" if n and len(text) else ""
+    return f"{kind}(n={n}, columns={_brief(list(columns))}{first})"
 
 
 #: the end of the errors about token-id rows given where prompts (text or chat) are read
@@ -70,7 +88,8 @@ class Prompts:
     """One batch of prompts: ``text[i]``, ``ids[i]`` (unpadded token ids), ``columns[name][i]``.
 
     An ``ids`` row may be a list of ints, or a 1-d integer tensor or numpy array (converted to a
-    list); ``ids`` may be a 2-d integer tensor (one row per prompt)."""
+    list); ``ids`` may be a 2-d integer tensor (one row per prompt). Its repr shows the size, the
+    column names and the first prompt (clipped), e.g. ``Prompts(n=8, columns=['answer'], first='27+43=')``."""
 
     text: list[str]
     ids: list[list[int]]
@@ -85,6 +104,9 @@ class Prompts:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def __repr__(self) -> str:
+        return _rows_repr(type(self).__name__, len(self.ids), self.text, self.columns)
 
     def __getitem__(self, index) -> "Prompts":
         """``prompts[i]``: row ``i`` as a one-row Prompts; ``prompts[a:b]``: those rows."""
@@ -269,7 +291,9 @@ def prompt_fingerprint(prompts) -> str | None:
 
 @dataclass
 class PromptSet:
-    """A tokenized prompt data set. Iterate batches with :meth:`batches`."""
+    """A tokenized prompt data set. Iterate batches with :meth:`batches`. Its repr shows the size,
+    the column names and the first prompt (clipped), e.g.
+    ``PromptSet(n=4000, columns=['answer'], first='27+43=')``."""
 
     text: list[str]
     ids: list[list[int]]
@@ -280,6 +304,9 @@ class PromptSet:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def __repr__(self) -> str:
+        return _rows_repr(type(self).__name__, len(self), self.text, self.columns)
 
     def __getstate__(self) -> dict[str, Any]:
         # without the cached epoch order (len(self) int64s), which is rebuilt on demand

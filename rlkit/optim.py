@@ -25,7 +25,7 @@ NORMS_AND_BIASES = ("*bias", "*norm*.weight", "*ln_*.weight")
 @dataclass(frozen=True)
 class OptimizerSpec:
     """AdamW settings and the LR schedule (:meth:`lr_factor`). Checked on construction:
-    ``lr`` a finite number > 0; ``eps`` and ``weight_decay`` finite numbers >= 0; ``betas`` two
+    ``lr`` a finite number > 0; ``eps`` a finite number > 0; ``weight_decay`` a finite number >= 0; ``betas`` two
     numbers in [0, 1); ``warmup_steps`` an int >= 0; ``total_steps`` None or an int >= 1, required
     by the decaying schedules ("cosine", "linear"), which also need ``warmup_steps <=
     total_steps``; ``min_lr_ratio`` in [0, 1]; ``fused`` a bool or None (rlkit picks).
@@ -69,10 +69,13 @@ class OptimizerSpec:
                                  + (" (convert it with float(...))" if isinstance(value, str) else ""))
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"optimizer lr must be a positive finite number, got {self.lr!r}")
-        for name in ("eps", "weight_decay"):
-            value = getattr(self, name)
-            if not 0 <= value < math.inf:
-                raise ValueError(f"optimizer {name} must be a finite number >= 0, got {value!r}")
+        if not 0 < self.eps < math.inf:
+            # AdamW divides by sqrt(v) + eps: a gradient element that is exactly zero (the embedding
+            # row of a token not in the batch) made 0/0, a NaN weight that surfaced steps later
+            raise ValueError(f"optimizer eps must be a finite number > 0 (AdamW's denominator term; 0 makes 0/0 = NaN "
+                             f"weights wherever a gradient is exactly zero), got {self.eps!r}; the usual value is 1e-8")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"optimizer weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
         if (not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2
                 or not all(is_real(b) and 0 <= b < 1 for b in self.betas)):
             raise ValueError(f"optimizer betas must be two numbers in [0, 1), got {self.betas!r}")
@@ -101,6 +104,7 @@ class OptimizerSpec:
             raise ValueError(f"no_decay must be a tuple of name patterns such as ('*bias', '*norm*.weight'), got {no_decay!r}"
                              + (f" (one pattern: no_decay=({no_decay!r},))" if isinstance(no_decay, str) else ""))
         object.__setattr__(self, "no_decay", tuple(no_decay))  # a list from a config file: hashable, comparable
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         if self.master_weights is not None and not isinstance(self.master_weights, bool):
             raise ValueError(f"master_weights must be True, False or None (on for bf16/fp16 parameters), got {self.master_weights!r}")
 
@@ -188,7 +192,9 @@ class MasterWeightAdamW(torch.optim.AdamW):
     ``"master"`` entry: ``state_dict()`` and rlkit's checkpoints save it, and
     :meth:`load_state_dict` keeps it and the moments in float32 (torch casts floating state to the
     parameter's dtype). float32 parameters are stepped as plain AdamW does. A parameter's first
-    step takes its master from the parameter itself.
+    step takes its master from the parameter itself, and every step first re-takes it from the
+    parameter wherever the two differ (the weights were changed outside the optimizer: loaded,
+    warmed up by SFT, rolled back), so such a change is kept, not overwritten by a stale copy.
 
     On the GPU benchmark's 0.5B-parameter model the master copy and float32 moments add 4 GB to
     plain AdamW's 2 GB of bf16 moments; the extra work per step is a few element-wise passes."""
@@ -208,6 +214,12 @@ class MasterWeightAdamW(torch.optim.AdamW):
                 if master is None:
                     # stored after the step: AdamW initialises a parameter's state only while it is empty
                     master = p.detach().to(torch.float32, copy=True)
+                else:
+                    # weights changed outside the optimizer since its last step (load_state_dict, an SFT
+                    # warm-up, a rollback, a master of another run): where the parameter no longer equals
+                    # its master rounded, the parameter is the truth. Element-wise, without a host sync
+                    low_now = p.detach()
+                    master.copy_(torch.where(master.to(p.dtype) == low_now, master, low_now.to(torch.float32)))
                 low, grad = p.data, p.grad
                 p.grad = None  # a gradient must match its parameter's dtype while it is assigned
                 p.data = master

@@ -451,7 +451,19 @@ def _warn_low_precision(model: nn.Module, optimizer, spec: OptimizerSpec, role: 
     and most are too large for a step of ``spec.lr`` to change them (:func:`movable_fraction`)."""
     from rlkit.optim import MasterWeightAdamW
 
-    if isinstance(optimizer, MasterWeightAdamW):
+    master = isinstance(optimizer, MasterWeightAdamW)
+    if any(p.requires_grad and p.dtype == torch.float16 for p in model.parameters()):
+        # float16's range, not its rounding, is the problem: rlkit has no loss scaler
+        moments = ("" if master else "; and with master_weights=False AdamW's second moment (1-beta2)*g^2 underflows to "
+                   "0 in float16, so steps grow to lr*m/eps, hundreds of times lr")
+        warnings.warn(
+            f"rk.init: the {role}'s trainable weights are float16, which rk.update trains without loss scaling: gradients "
+            f"below about 6e-8 flush to zero and those below 6e-5 lose precision (float16 subnormals){moments}. Use "
+            "bfloat16 (float32's range at the same memory; model.to(torch.bfloat16)) or float32",
+            RuntimeWarning, stacklevel=3,
+        )
+        return
+    if master:
         return
     share = movable_fraction(model, float(spec.lr))
     if share is None or share >= LOW_PRECISION_MOVABLE:

@@ -75,3 +75,17 @@ def test_a_donated_state_has_a_repr(task):
     assert repr(state) == "TrainState(<donated to rlkit.update: use the state it returned>)"
     assert str(state) == repr(state)
     assert repr(new).startswith("TrainState(actor=")
+
+
+def test_a_sink_interrupted_at_a_step_does_not_keep_the_step_from_the_others(task):
+    """Ctrl-C inside an earlier sink (the Dashboard's redraw) left the later sinks without the step."""
+    class Slow:
+        def on_step(self, step, metrics):
+            if step == 2:
+                raise KeyboardInterrupt
+
+    later = rk.observe.ListSink()
+    with pytest.raises(KeyboardInterrupt) as info:
+        rk.fit(_fresh(task), "grpo", task.reward, task.train, steps=3, batch_size=2, sinks=[Slow(), later])
+    assert info.value.state.step == 2
+    assert [row["step"] for row in later.history] == [1, 2]

@@ -131,3 +131,75 @@ def test_master_weights_off_warns_at_init_and_bad_values_are_refused(tiny_model,
     # float32 parameters: plain AdamW whatever the setting (nothing to keep a master copy of)
     opt, _ = rk.optim.adamw(master_weights=True).build(torch.nn.Linear(4, 4))
     assert type(opt) is torch.optim.AdamW
+
+
+def test_weights_changed_outside_the_optimizer_are_kept(tiny_model, char_tok):
+    """A master copy, once made, was written back at every step: a rollback (load_state_dict) or an
+    SFT warm-up between updates was undone by the next update, in bf16 only."""
+    state = _bf16_state(tiny_model, char_tok)
+    start = {k: v.detach().clone() for k, v in state.actor.state_dict().items()}
+    batch = _batch(state.actor)
+    for _ in range(3):
+        state, _ = rk.update(state, batch, max_logprob_gap=None)
+    state.actor.load_state_dict(start)  # roll back
+    for group in state.optimizer.param_groups:
+        group["lr"] = 1e-12  # a step too small to move anything: the weights must stay rolled back
+    state, _ = rk.update(state, batch, max_logprob_gap=None)
+    for name, value in state.actor.state_dict().items():
+        # a step of 1e-12 moves only exact zeros (bf16 holds 1e-12); the undone rollback moved ~1e-2
+        torch.testing.assert_close(value, start[name], atol=1e-9, rtol=0, msg=name)
+    for p in state.actor.parameters():
+        assert torch.equal(state.optimizer.state[p]["master"].to(torch.bfloat16), p.detach())
+
+
+def test_spec_checks_eps_and_normalises_betas():
+    with pytest.raises(ValueError, match=r"eps must be a finite number > 0 .*0/0.*got 0"):
+        rk.optim.adamw(eps=0.0)
+    listed = rk.optim.adamw(betas=[0.9, 0.95])
+    assert listed == rk.optim.adamw(betas=(0.9, 0.95)) and hash(listed) == hash(rk.optim.adamw(betas=(0.9, 0.95)))
+
+
+def test_fp16_training_warns_that_there_is_no_loss_scaling(tiny_model, char_tok):
+    fp16 = copy.deepcopy(tiny_model).to(torch.float16)
+    with pytest.warns(RuntimeWarning, match=r"float16, which rk.update trains without loss scaling.*Use bfloat16"):
+        rk.init(fp16, rk.optim.adamw(lr=1e-4), tokenizer=char_tok)
+    with pytest.warns(RuntimeWarning, match=r"master_weights=False AdamW's second moment"):
+        rk.init(copy.deepcopy(fp16), rk.optim.adamw(lr=1e-4, master_weights=False), tokenizer=char_tok)
+
+
+def _with_unused_head(model):
+    model = copy.deepcopy(model)
+    model.extra_head = torch.nn.Linear(model.config.hidden_size, 2)  # trainable, never in the forward
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_parameter_without_gradient_at_the_save_resumes_exactly(tiny_model, char_tok, tmp_path, dtype):
+    """Its optimizer had no state, and DCP refused the checkpoint as corrupt on load."""
+    def fresh():
+        return rk.init(_with_unused_head(tiny_model).to(dtype), rk.optim.adamw(lr=1e-4), tokenizer=char_tok)
+
+    state = fresh()
+    batch = _batch(state.actor)
+    state, _ = rk.update(state, batch, max_logprob_gap=None)
+    path = ck.save(state, tmp_path)
+    state, _ = rk.update(state, batch, max_logprob_gap=None)
+    resumed, _ = rk.update(ck.load(fresh(), path), batch, max_logprob_gap=None)
+    for (name, a), b in zip(state.actor.named_parameters(), resumed.actor.parameters()):
+        assert torch.equal(a, b), name
+    assert resumed.optimizer.state.get(resumed.actor.extra_head.weight, {}) == {}
+
+
+def test_a_float32_checkpoint_resumes_into_a_bf16_state(tiny_model, char_tok, tmp_path):
+    """The bf16 template's optimizer asked the float32 checkpoint for master copies it never had:
+    reported as a corrupt checkpoint."""
+    state = rk.init(copy.deepcopy(tiny_model), rk.optim.adamw(lr=1e-4), tokenizer=char_tok)
+    state, _ = rk.update(state, _batch(state.actor), max_logprob_gap=None)
+    path = ck.save(state, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the dtype change is warned about (the resume is not exact)
+        resumed = ck.load(_bf16_state(tiny_model, char_tok), path)
+    for a, b in zip(state.actor.parameters(), resumed.actor.parameters()):
+        assert torch.equal(a.detach().to(torch.bfloat16), b.detach())
+    resumed, _ = rk.update(resumed, _batch(resumed.actor), max_logprob_gap=None)  # masters from the loaded weights
+    assert resumed.step == 2

@@ -38,8 +38,8 @@ def test_numeric_fields_from_text_are_named_with_their_type():
             OptimizerSpec(**{field: value})
     with pytest.raises(ValueError, match="warmup_steps must be an int >= 0.* got str '10'"):
         adamw(warmup_steps="10")
-    for field, value in (("eps", -1.0), ("weight_decay", math.inf)):
-        with pytest.raises(ValueError, match=rf"optimizer {field} must be a finite number >= 0"):
+    for field, value, bound in (("eps", -1.0, "> 0"), ("eps", 0.0, "> 0"), ("weight_decay", math.inf, ">= 0")):
+        with pytest.raises(ValueError, match=rf"optimizer {field} must be a finite number {bound}"):
             OptimizerSpec(**{field: value})
     with pytest.raises(ValueError, match="optimizer betas must be two numbers in"):
         adamw(betas=(0.9,))

@@ -83,7 +83,8 @@ class Dashboard:
             plt.close(fig)  # Jupyter's inline backend closes it in show(); other backends would keep one per redraw
 
     def rewind(self, step: int) -> None:
-        """Forget the rows of steps after ``step`` (``rk.fit`` resuming from ``step`` logs them again)."""
+        """Forget this run's rows of steps after ``step`` (``rk.fit`` resuming from ``step`` logs them
+        again); an earlier run's rows (its steps start over) are kept, as in a ``JSONLSink`` file."""
         self.history[:] = _rewound(self.history, step)
         self.latest = {k: v for row in self.history for k, v in row.items() if k != "step"}
 

@@ -4,7 +4,8 @@ A sink is any object with ``on_step(step: int, metrics: dict)`` and optionally `
 ``rewind(step: int)``: ``rk.fit`` calls ``rewind(state.step)`` when it starts from a state past step 0
 (a resumed run), and a sink that keeps what it logged drops the rows of later steps, which the run
 is about to log again (a run killed after step 3 and resumed from its step-2 checkpoint logged step
-3 twice).
+3 twice). Only the latest run's rows go: an earlier run logged to the same sink (its steps start
+over) keeps all of its rows.
 
 The step is the ``step`` argument: a metric named ``"step"`` is not
 logged as a metric, and never replaces it.
@@ -81,14 +82,34 @@ def _metric_items(metrics: dict[str, Any]):
     return ((k, v) for k, v in metrics.items() if k != "step")
 
 
+def _step_of(row: Any) -> float | None:
+    """The step of a logged row (a dict), or None when it has no numeric step."""
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if isinstance(step, (int, float)) and not isinstance(step, bool) else None
+
+
 def _row_step(line: str) -> float | None:
     """The step of a JSONL row, or None when the line is not a row with a numeric step."""
     try:
         row = json.loads(line)
     except ValueError:
         return None
-    step = row.get("step") if isinstance(row, dict) else None
-    return step if isinstance(step, (int, float)) and not isinstance(step, bool) else None
+    return _step_of(row)
+
+
+def _rewound(rows: list, step: int, step_of=_step_of) -> list:
+    """``rows`` without this run's rows of steps after ``step`` (a row whose ``step_of`` is None is
+    kept). This run's rows are the trailing block whose steps never go down: an earlier run logged
+    to the same sink (its steps restart below) keeps all of its rows. Every sink that keeps what it
+    logged rewinds by this rule, so a metrics file and an in-memory history agree."""
+    steps = [step_of(row) for row in rows]
+    start, previous = 0, None
+    for i, s_i in enumerate(steps):
+        if s_i is not None:
+            if previous is not None and s_i < previous:
+                start = i
+            previous = s_i
+    return rows[:start] + [row for row, s_i in zip(rows[start:], steps[start:]) if s_i is None or s_i <= step]
 
 
 class JSONLSink:
@@ -133,16 +154,7 @@ class JSONLSink:
         torn = bool(lines) and not lines[-1].endswith("\n")  # a write a kill cut short: no row
         if torn:
             lines.pop()
-        # only this run's rows: the trailing block whose steps never go down. An earlier run appended
-        # to the same file (its steps restart below) keeps all of its rows
-        steps = [_row_step(line) for line in lines]
-        start, previous = 0, None
-        for i, s_i in enumerate(steps):
-            if s_i is not None:
-                if previous is not None and s_i < previous:
-                    start = i
-                previous = s_i
-        kept = lines[:start] + [line for line, s_i in zip(lines[start:], steps[start:]) if s_i is None or s_i <= step]
+        kept = _rewound(lines, step, _row_step)
         if len(kept) == len(lines) and not torn:
             return
         directory = os.path.dirname(self.path) or "."
@@ -185,10 +197,6 @@ def _drop_torn_tail(path: str) -> None:
         return
 
 
-def _rewound(history: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
-    return [row for row in history if not (isinstance(row.get("step"), (int, float)) and row["step"] > step)]
-
-
 class ListSink:
     """Keeps every step's metrics in memory (``sink.history``: ``{"step": step, **metrics}``)."""
 
@@ -199,7 +207,8 @@ class ListSink:
         self.history.append({"step": step, **dict(_metric_items(metrics))})
 
     def rewind(self, step: int) -> None:
-        """Forget the rows of steps after ``step`` (the resumed run logs them again)."""
+        """Forget this run's rows of steps after ``step`` (the resumed run logs them again); an
+        earlier run's rows (its steps start over) are kept, as :meth:`JSONLSink.rewind` keeps them."""
         self.history[:] = _rewound(self.history, step)
 
 
@@ -212,8 +221,18 @@ class CallbackSink:
 
 
 def broadcast(sinks: Iterable[Any], step: int, metrics: dict[str, float]) -> None:
+    """``sink.on_step(step, metrics)`` on every sink, then the first exception one raised (Ctrl-C
+    in a slow sink, a plot's redraw, used to leave the sinks after it without the step: a hole in
+    the run's JSONL log once it went on from ``exc.state``)."""
+    first: BaseException | None = None
     for sink in sinks:
-        sink.on_step(step, metrics)
+        try:
+            sink.on_step(step, metrics)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the other sinks
+            if first is None:
+                first = exc
+    if first is not None:
+        raise first
 
 
 def rewind_all(sinks: Iterable[Any], step: int) -> None:
