@@ -131,7 +131,11 @@ def _encode(tokenizer, text: str | list, chat: bool) -> list[int]:
             # transformers 5 returns a BatchEncoding (input_ids, attention_mask) where 4.x returned the ids
             out = out["input_ids"]
         return [int(t) for t in out]
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    from rlkit.models.tokenizers import encode_prompt
+
+    # with the tokenizer's leading special tokens (BOS), as TRL and vLLM encode a text prompt; a
+    # chat template above writes its own
+    return encode_prompt(tokenizer, text)
 
 
 #: prompt file extensions :func:`load_prompts` reads, and their formats
@@ -385,7 +389,9 @@ def load_prompts(
     the whole set is read and tokenized once (pass ``list(data.take(n))``).
 
     A row's prompt is text, or a chat conversation (a list of ``{"role", "content"}`` messages,
-    rendered with the tokenizer's chat template). Every other key of a row (``answer``,
+    rendered with the tokenizer's chat template). Text is tokenized with the special tokens the
+    tokenizer puts before it (Llama's BOS), as TRL and vLLM tokenize a text prompt, and none after
+    (:func:`rlkit.models.tokenizers.encode_prompt`). Every other key of a row (``answer``,
     ``ground_truth``, ``data_source``...) becomes a column that reward functions receive by name.
     A prompt with characters the tokenizer encodes as its unknown token is an error naming the
     row and the characters; one longer than ``max_prompt_tokens`` is an error naming it, unless

@@ -14,18 +14,20 @@ import torch
 
 from rlkit._checks import check_context, int_at_least, model_of, tokenizer_of
 from rlkit.batch import make_batch
-from rlkit.models.tokenizers import check_known_characters
+from rlkit.models.tokenizers import check_known_characters, encode_prompt
 from rlkit.observe.sinks import CallbackSink, broadcast
 from rlkit.optim import adamw
 
 
 def _encode(tokenizer, prompt: str, completion: str, where: str = "sft_batch") -> tuple[list[int], list[int]]:
-    """``(prompt ids, completion ids + EOS)``, no special tokens added; refused when either text has
-    characters the tokenizer encodes as its unknown token (:func:`rlkit.models.tokenizers.check_known_characters`)."""
+    """``(prompt ids, completion ids + EOS)``: the prompt as rollouts encode it (with the
+    tokenizer's leading special tokens, e.g. BOS: :func:`rlkit.models.tokenizers.encode_prompt`),
+    the completion without special tokens; refused when either text has characters the tokenizer
+    encodes as its unknown token (:func:`rlkit.models.tokenizers.check_known_characters`)."""
     eos = tokenizer.eos_token_id
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    prompt_ids = encode_prompt(tokenizer, prompt)
     completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
-    check_known_characters(tokenizer, prompt, prompt_ids, f"{where}'s prompt")
+    check_known_characters(tokenizer, prompt, tokenizer(prompt, add_special_tokens=False)["input_ids"], f"{where}'s prompt")
     check_known_characters(tokenizer, completion, completion_ids, f"{where}'s completion")
     return prompt_ids, completion_ids + ([eos] if eos is not None else [])
 

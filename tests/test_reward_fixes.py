@@ -426,3 +426,29 @@ def test_builtin_rewards_read_trls_conversational_completions():
         assert fn(completions=chat, **kw) == fn(completions=texts, **kw), fn.__name__
     assert exact_match(completions=chat, answer=["#### 42", "41"]) == [1.0, 1.0]
     assert math_answer(completions=chat, answer=answers) == [1.0, 0.0]
+
+
+def test_text_prompts_keep_the_tokenizers_bos_as_trl_encodes_them(tmp_path):
+    """load_prompts (so rollout and fit) and the SFT warm-up tokenized text prompts with
+    add_special_tokens=False: a Llama-style tokenizer's BOS was dropped, where TRL's
+    processing_class(text=...) and vLLM keep it. A trailing special token (an EOS a post-processor
+    appends) is not part of a prompt."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from rlkit.sft import sft_batch
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{c: i + 4 for i, c in enumerate("0123456789+=")}}
+    for post, expected in (
+        ("<s> $A", [1, 5, 6, 14, 7, 8, 15]),  # Llama: BOS before
+        ("<s> $A </s>", [1, 5, 6, 14, 7, 8, 15]),  # BOS and EOS: the EOS does not end the prompt
+        ("$A", [5, 6, 14, 7, 8, 15]),  # nothing added (Qwen, GPT-2, the char tokenizer): unchanged
+    ):
+        core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+        core.post_processor = processors.TemplateProcessing(single=post, special_tokens=[("<s>", 1), ("</s>", 2)])
+        tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                      unk_token="<unk>")
+        assert rk.load_prompts(["12+34="], tok).ids[0] == expected, post
+        sft = sft_batch(tok, [("12+34=", "46")])
+        assert row_tokens(sft["prompt_ids"], sft["prompt_mask"])[0] == expected, post

@@ -176,6 +176,22 @@ def _as_saved(tokenizer: PreTrainedTokenizerBase, directory: Path) -> PreTrained
 PARALLEL_DECODE_TOKENS = 16384
 
 
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """A text prompt's ids as the model saw prompts in pre-training: with the special tokens the
+    tokenizer puts before the text (Llama's and Gemma's BOS), as TRL (``processing_class(text=...)``),
+    vLLM and transformers' pipelines tokenize them; without those it puts after (an EOS appended by
+    a post-processor would end the prompt). A tokenizer that adds nothing (Qwen, GPT-2, rlkit's
+    character tokenizer) gives the plain ids."""
+    ids = list(tokenizer(text)["input_ids"])
+    plain = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if ids == plain or not plain:
+        return ids if plain else plain
+    for start in range(len(ids) - len(plain) + 1):
+        if ids[start : start + len(plain)] == plain:
+            return ids[: start + len(plain)]
+    return ids  # the special tokens do not wrap the plain ids (a tokenizer that merges them): as it gives them
+
+
 def decode_batch(tokenizer, sequences: list[list[int]]) -> list[str]:
     """``tokenizer.batch_decode(sequences, skip_special_tokens=True)``, with less overhead for
     fast tokenizers.
