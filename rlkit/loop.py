@@ -17,6 +17,8 @@ from rlkit.observe.sinks import broadcast, rewind_all
 BATCH_SIZE_KEY = "fit/batch_size"
 #: ``state.extras`` key of the fingerprint (:func:`rlkit.data.prompt_fingerprint`) of the prompts it counts
 PROMPTS_KEY = "fit/prompts"
+#: ``state.extras`` key of the training wall time (seconds) of the steps so far, over every ``fit`` call
+ELAPSED_KEY = "fit/elapsed_s"
 
 
 def fit(
@@ -57,6 +59,10 @@ def fit(
     calls ``sink.rewind(state.step)`` on the sinks that have it: :class:`rlkit.observe.JSONLSink`
     and the in-memory sinks drop what they logged for later steps, which this run redoes, so a
     metrics file has each step once, in order.
+
+    Each step's metrics get ``time/step_s`` and ``time/elapsed_s``, the run's training wall time:
+    it goes on from ``state.extras["fit/elapsed_s"]`` (kept in checkpoints), so a second ``fit``
+    on the same state or a resumed run continues the clock; the time between calls is not counted.
 
     Before the first step every prompt of the set is checked against the model's context (its
     tokens plus the recipe's ``max_new_tokens``): a ``ValueError`` names the prompt-set rows that
@@ -99,6 +105,7 @@ def fit(
     if state.step > 0:
         rewind_all(sinks, state.step)
     t_start = time.perf_counter()
+    elapsed_before = _elapsed_before(state)
     given = state  # the handle passed in (donated to the first update)
     try:
         # the checkpointer's SIGTERM handler (save at the next step boundary) only while the loop runs
@@ -108,12 +115,12 @@ def fit(
                 t0 = time.perf_counter()
                 state, metrics = _checked_step_output(recipe.step(state, batch_prompts, reward), recipe)
                 position += 1
-                extras = state.extras
-                if extras.get(BATCH_SIZE_KEY) != batch_size or extras.get(PROMPTS_KEY) != fingerprint:
-                    extras = {**extras, BATCH_SIZE_KEY: batch_size, PROMPTS_KEY: fingerprint}
+                now = time.perf_counter()
+                elapsed = elapsed_before + (now - t_start)
+                extras = {**state.extras, BATCH_SIZE_KEY: batch_size, PROMPTS_KEY: fingerprint, ELAPSED_KEY: elapsed}
                 state = state.replace(data_position=position, extras=extras)
-                metrics["time/step_s"] = time.perf_counter() - t0
-                metrics["time/elapsed_s"] = time.perf_counter() - t_start
+                metrics["time/step_s"] = now - t0
+                metrics["time/elapsed_s"] = elapsed
                 if eval_fn is not None and eval_every and (state.step % eval_every == 0 or state.step == steps):
                     try:
                         evaluated = _eval_metrics(eval_fn, state)
@@ -144,6 +151,19 @@ def fit(
             record_stop(given, state, exc)  # the cell run again with the donated handle points here
         raise
     return state, history
+
+
+def _elapsed_before(state) -> float:
+    """The wall time of the steps before this ``fit`` (``state.extras["fit/elapsed_s"]``, kept in
+    checkpoints), so ``time/elapsed_s`` goes on across a resumed run or a second ``fit`` call on
+    the same state instead of restarting at zero; a state at step 0 starts at zero (a fresh run
+    from a copied state does not inherit the time of another one's steps)."""
+    value = state.extras.get(ELAPSED_KEY) if state.step > 0 else None
+    try:
+        value = float(value) if value is not None else 0.0
+    except (TypeError, ValueError):
+        return 0.0
+    return value if value >= 0.0 and value == value and value != float("inf") else 0.0
 
 
 class StepReturnError(TypeError):
