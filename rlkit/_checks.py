@@ -74,6 +74,22 @@ def check_context(model, tokens: int, where: str, hint: str) -> None:
                          f"(max_position_embeddings); {hint}")
 
 
+def output_vocab(model) -> int | None:
+    """Width of the model's logits: its output embedding's rows (a wrapper's ``.model`` looked
+    through; a sharded weight's global shape), else ``config.vocab_size``, else None."""
+    for m in (model, getattr(model, "model", None)):
+        get = getattr(m, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+        weight = getattr(head, "weight", None)
+        if weight is not None and getattr(weight, "ndim", 0) == 2:
+            return int(weight.shape[0])
+    for m in (model, getattr(model, "model", None)):
+        size = getattr(getattr(m, "config", None), "vocab_size", None)
+        if isinstance(size, int):
+            return size
+    return None
+
+
 def input_vocab(model) -> int | None:
     """Rows of the model's input embedding (a wrapper's ``.model`` looked through), or None."""
     for m in (model, getattr(model, "model", None)):

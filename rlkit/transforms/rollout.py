@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rlkit._checks import context_limit, is_int
+from rlkit._checks import context_limit, is_int, output_vocab
 from rlkit.batch import Batch, check_same_fields, row_tokens, set_column, shallow_copy
 from rlkit.data import Prompts, as_prompts
 from rlkit.engines.base import Engine, SamplingParams
@@ -225,7 +225,7 @@ def _sample_share(state: TrainState, eng: Engine, prompts: Prompts, params: Samp
         eng.release()  # colocated roles take turns: training gets the KV-cache memory back
     with torch.profiler.record_function("rlkit.rollout.batch"):
         batch = batch_from_generation(prompts, out, state.tokenizer, policy_version=state.policy_version, decode=decode,
-                                      filtered=is_filtered(params), temperature=params.temperature)
+                                      filtered=is_filtered(params, output_vocab(state.actor)), temperature=params.temperature)
     if dp is not None and dp.size > 1:
         from rlkit.parallel.placement import gather_rows
 
@@ -258,12 +258,16 @@ def _with_metrics(batch: Batch, seconds: float, extra: dict[str, float]) -> Batc
 FILTERED = "logprobs_filtered"
 
 
-def is_filtered(params: SamplingParams) -> bool:
+def is_filtered(params: SamplingParams, vocab: int | None = None) -> bool:
     """Whether ``params`` sample from a filtered distribution (top-k or top-p): the engine's
     log-probs are then of ``log softmax(top_p(top_k(logits / T)))``, not of the policy the trainer
     computes (``log softmax(logits / T)``). Greedy decoding (``temperature == 0``) reports the
-    plain log-softmax whatever the filters (:class:`rlkit.engines.base.Generation`)."""
-    return params.temperature > 0 and (params.top_k > 0 or params.top_p < 1)
+    plain log-softmax whatever the filters (:class:`rlkit.engines.base.Generation`). With the
+    logits' width ``vocab`` given, a ``top_k`` of ``vocab`` or more keeps every token (the engines
+    sample as unfiltered) and is not a filter: such a batch keeps ``update``'s
+    ``actor/logprob_gap`` check and skips the recomputed old log-probs."""
+    top_k = params.top_k > 0 and (vocab is None or params.top_k < vocab)
+    return params.temperature > 0 and (top_k or params.top_p < 1)
 
 
 def batch_from_generation(prompts: Prompts, out, tokenizer, *, policy_version: int = 0, decode: bool = True,

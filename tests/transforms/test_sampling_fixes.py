@@ -236,3 +236,25 @@ def test_prompts_take_tensor_and_numpy_token_id_rows(char_tok, tiny_model):
         rk.Prompts(["a", "b"], [torch.tensor([5]), torch.tensor([1.0, 2.0])])
     with pytest.raises(DataError, match=r"row 0 .*2-d"):
         rk.Prompts(["a"], [np.array([[5, 6]])])
+
+
+def test_top_k_of_the_whole_vocabulary_is_not_a_filter(peaked, char_tok):
+    """top_k >= the logits' width keeps every token: the engine samples exactly as unfiltered, so
+    the batch is not marked logprobs_filtered (which had update recompute its old log-probs and drop
+    the actor/logprob_gap check); top_k one below the width still is a filter."""
+    from rlkit.transforms.rollout import is_filtered
+    from rlkit.engines import SamplingParams
+
+    vocab = peaked.lm_head.weight.shape[0]
+    state = rk.init(peaked, rk.optim.adamw(lr=1e-3), tokenizer=char_tok)
+    plain = _grpo_batch(state, temperature=0.9)
+    for k in (vocab, 10 * vocab):
+        whole = _grpo_batch(state, temperature=0.9, top_k=k)
+        assert "logprobs_filtered" not in whole.keys()
+        assert torch.equal(whole["response_ids"], plain["response_ids"])
+        state, metrics = rk.update(state, whole, temperature=0.9, max_logprob_gap=None)
+        assert "actor/logprob_gap" in metrics
+        plain = _grpo_batch(state, temperature=0.9)  # the updated weights' unfiltered sample
+    assert _grpo_batch(state, temperature=0.9, top_k=vocab - 1)["logprobs_filtered"].all()
+    assert is_filtered(SamplingParams(max_new_tokens=2, top_k=vocab)) is True  # no width known: any top_k filters
+    assert is_filtered(SamplingParams(max_new_tokens=2, top_k=vocab), vocab) is False
