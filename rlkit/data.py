@@ -158,7 +158,7 @@ def _as_row(item: Any, prompt_key: str) -> Any:
 
 def _jsonl_rows(path: str, prompt_key: str) -> tuple[list[Any], list[str]]:
     rows, where = [], []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -186,7 +186,7 @@ def _file_rows(path: str, prompt_key: str) -> tuple[list[Any], list[str]]:
     if FILE_FORMATS[ext] == "JSON lines":
         return _jsonl_rows(path, prompt_key)
     if FILE_FORMATS[ext] == "JSON":
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             text = f.read()
         try:
             data = json.loads(text)
@@ -206,7 +206,7 @@ def _file_rows(path: str, prompt_key: str) -> tuple[list[Any], list[str]]:
         import csv
 
         rows, where = [], []
-        with open(path, encoding="utf-8", newline="") as f:
+        with open(path, encoding="utf-8-sig", newline="") as f:
             reader = csv.DictReader(f, delimiter="\t" if ext == ".tsv" else ",")
             for row in reader:
                 if None in row or None in row.values():  # DictReader's marks of a value too many, or too few
@@ -239,8 +239,11 @@ def _mapping_rows(source: Mapping, prompt_key: str) -> list[Mapping[str, Any]]:
 
 
 def _plain(value: Any) -> Any:
-    """A numpy value (as pandas holds list columns and numbers) as the Python one."""
-    return value.tolist() if type(value).__module__ == "numpy" and hasattr(value, "tolist") else value
+    """A numpy value (as pandas holds list columns and numbers) or a tensor (a ``datasets.Dataset``
+    formatted as torch) as the Python one: a reward comparing ``"3"`` with ``str(tensor(3))``
+    scored every correct answer 0."""
+    module = type(value).__module__
+    return value.tolist() if (module == "numpy" or module.startswith("torch")) and hasattr(value, "tolist") else value
 
 
 def _rows(source: Any, prompt_key: str) -> tuple[list[Any], list[str] | None]:
@@ -258,7 +261,10 @@ def _rows(source: Any, prompt_key: str) -> tuple[list[Any], list[str] | None]:
                         "once, which a stream (maybe endless) does not allow: load the data set without streaming=True, "
                         "or pass a finite part of it, e.g. list(data.take(1000))")
     if hasattr(source, "column_names") and hasattr(source, "__getitem__") and hasattr(source, "__len__"):  # datasets.Dataset
-        return [source[i] for i in range(len(source))], None
+        if callable(getattr(source, "with_format", None)):
+            source = source.with_format(None)  # set_format("torch"/"numpy") would hand the rewards tensors and arrays
+        rows = (source[i] for i in range(len(source)))
+        return [{str(k): _plain(v) for k, v in row.items()} if isinstance(row, Mapping) else row for row in rows], None
     if isinstance(source, Mapping):
         return _mapping_rows(source, prompt_key), None
     if not isinstance(source, abc.Iterable):

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from rlkit._checks import int_at_least
 from rlkit.data import PromptSet, load_prompts, prompt_fingerprint
-from rlkit.observe.sinks import broadcast, rewind_all
+from rlkit.observe.sinks import as_sinks, broadcast, rewind_all
 
 #: ``state.extras`` key of the batch size that ``state.data_position`` counts batches of
 BATCH_SIZE_KEY = "fit/batch_size"
@@ -298,15 +298,7 @@ def _check_fit_args(state, recipe, reward, steps, sinks, checkpointer):
 
     check_reward(reward, "fit", getattr(recipe, "reward_weights", None))
     int_at_least(steps, "steps", 0, " (the step count to reach)")
-    if sinks is None:
-        sinks = ()
-    elif hasattr(sinks, "on_step"):  # one sink
-        sinks = (sinks,)
-    sinks = list(sinks)
-    for sink in sinks:
-        if not callable(getattr(sink, "on_step", None)):
-            raise TypeError(f"fit: every sink needs an on_step(step, metrics) method; {sink!r} has none "
-                            "(rk.observe has ConsoleSink, JSONLSink, ListSink, ...)")
+    sinks = as_sinks(sinks, "fit")
     if checkpointer is not None and not callable(getattr(checkpointer, "maybe_save", None)):
         raise TypeError(f"fit: checkpointer must be an rk.Checkpointer (with .maybe_save(state)), got {checkpointer!r}")
     return state, recipe, sinks

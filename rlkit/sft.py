@@ -15,7 +15,7 @@ import torch
 from rlkit._checks import check_context, int_at_least, model_of, tokenizer_of
 from rlkit.batch import make_batch
 from rlkit.models.tokenizers import check_known_characters, encode_prompt
-from rlkit.observe.sinks import CallbackSink, broadcast
+from rlkit.observe.sinks import CallbackSink, as_sinks, broadcast
 from rlkit.optim import adamw
 
 
@@ -96,7 +96,7 @@ def warmup(
     optimizer, scheduler = spec.build(model)
     rng = random.Random(seed)
     history = []
-    sinks = list(sinks) + ([CallbackSink(on_step)] if on_step is not None else [])
+    sinks = as_sinks(sinks, "sft.warmup") + ([CallbackSink(on_step)] if on_step is not None else [])
     # every step's draws first, then each drawn example tokenized and checked once, before the first
     # step: an example refused (unknown characters, too long) stops the warm-up before it trains,
     # not after the steps that happened to come before its first draw. Examples never drawn are not

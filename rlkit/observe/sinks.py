@@ -24,6 +24,23 @@ class Sink(Protocol):
     def on_step(self, step: int, metrics: dict[str, float]) -> None: ...
 
 
+def as_sinks(sinks: Any, where: str) -> list:
+    """``sinks`` as a list: None, one sink (anything with ``on_step``) or an iterable of them; a
+    ``TypeError`` names ``where`` and the sink without an ``on_step(step, metrics)`` method."""
+    if sinks is None:
+        return []
+    if hasattr(sinks, "on_step"):  # one sink
+        return [sinks]
+    if not isinstance(sinks, Iterable) or isinstance(sinks, (str, bytes)):
+        raise TypeError(f"{where}: sinks must be a sink (with on_step(step, metrics)) or a list of them, got {sinks!r:.80}")
+    sinks = list(sinks)
+    for sink in sinks:
+        if not callable(getattr(sink, "on_step", None)):
+            raise TypeError(f"{where}: every sink needs an on_step(step, metrics) method; {sink!r} has none "
+                            "(rk.observe has ConsoleSink, JSONLSink, ListSink, ...)")
+    return sinks
+
+
 def as_number(value: Any) -> int | float | None:
     """``value`` as a plain Python number (bool, int or float), or None when it is not one number.
 
@@ -137,7 +154,7 @@ class JSONLSink:
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         if self._f.closed:
             raise ValueError(f"JSONLSink({self.path!r}) was closed; make a new one (mode='a' appends) to log more steps")
-        row = {"step": step}
+        row = {"step": _json_ready(step)}  # a numpy or tensor step (a loop over np.arange) as the int it holds
         for k, v in _metric_items(metrics):
             row[k] = _json_ready(v)
         self._f.write(json.dumps(row, allow_nan=False) + "\n")
@@ -176,6 +193,12 @@ class JSONLSink:
 
     def close(self) -> None:
         self._f.close()
+
+    def __enter__(self) -> "JSONLSink":  # `with rk.observe.JSONLSink(path) as sink:` closes the file after
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _drop_torn_tail(path: str) -> None:
