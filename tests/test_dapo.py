@@ -125,3 +125,35 @@ def test_dapo_on_two_ranks_trains_an_even_share():
     from rlkit.parallel.local import run_local
 
     assert run_local(_dapo_two_ranks, 2, timeout=180) == [(8.0, 1.0)] * 2
+
+
+def test_a_step_that_kept_no_group_takes_no_optimizer_step():
+    """Every attempt flat (reward always 0): DAPO used to train the first rollout anyway, whose
+    advantages are all zero, and Adam's momentum from the step before moved the weights
+    (max |dW| 6.7e-3 at lr 1e-2), while kept_frac said 1/max_attempts and trained_rows the batch.
+    Now the step is skipped: weights, optimizer and schedule as they were, the step counted."""
+    task = rk.tasks.arithmetic()
+    model = rk.models.tiny(task.tokenizer, seed=0, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    spec = rk.optim.adamw(lr=1e-2, warmup_steps=0, total_steps=10, schedule="cosine")
+    state = rk.init(model, spec, tokenizer=task.tokenizer, seed=0)
+    prompts = [f"{i}+1=" for i in range(3)]
+    recipe = rk.recipes.get("dapo").with_(n=4, max_new_tokens=4, max_attempts=3, overlong_buffer=0)
+    varied = lambda completions, **_: [float(i % 4) for i in range(len(completions))]  # noqa: E731
+    state, first = recipe.step(state, prompts, varied)  # a real step: Adam has momentum now
+    assert first["dapo/skipped_steps"] == 0.0 and first["dapo/trained_rows"] == 12
+    weights = {k: v.detach().clone() for k, v in state.actor.named_parameters()}
+    lr, version = state.optimizer.param_groups[0]["lr"], state.policy_version
+    adam_steps = {int(s["step"]) for s in state.optimizer.state.values()}
+
+    flat = lambda completions, **_: [0.0] * len(completions)  # noqa: E731
+    old = state
+    state, metrics = recipe.step(state, prompts, flat)
+    assert state.step == 2 and state.policy_version == version
+    assert all(torch.equal(v, weights[k]) for k, v in state.actor.named_parameters())
+    assert state.optimizer.param_groups[0]["lr"] == lr
+    assert {int(s["step"]) for s in state.optimizer.state.values()} == adam_steps
+    assert metrics["dapo/skipped_steps"] == 1.0 and metrics["dapo/attempts"] == 3.0
+    assert metrics["dapo/kept_frac"] == 0.0 and metrics["dapo/trained_rows"] == 0.0
+    assert metrics["reward/mean"] == 0.0 and "rollout/tokens" in metrics
+    with pytest.raises(Exception, match="donated"):
+        old.actor  # noqa: B018 - one live handle of the weights, as after an update

@@ -11,6 +11,13 @@
   buffer within the lengths no good answer reaches: with ``max_new_tokens`` close to the
   longest answer, the default of 4 penalises right answers too.
 
+A step at which no attempt kept a group (every group's rewards agree, ``max_attempts`` times)
+has nothing to learn: it takes no optimizer step (an update on its zero advantages still moved
+the weights, by Adam's momentum alone) and leaves the learning-rate schedule where it is, as a
+skipped non-finite step does; ``state.step`` goes on, ``dapo/skipped_steps`` is 1 and
+``dapo/kept_frac`` and ``dapo/trained_rows`` are 0. The verl equivalent raises once its
+generation batches run out; here a hard stretch of prompts does not end the run.
+
 The reported ``reward/*`` metrics are the first rollout's rewards before the penalty
 (``dapo/overlong_penalty_mean`` is the penalty's mean over that rollout).
 """
@@ -104,7 +111,9 @@ class DAPO(Recipe):
             if informative.batch_size[0]:
                 kept.append(informative)
             attempts += 1
-        batch = concat(kept)[:target] if kept else first
+        if not kept:
+            return self._skip(state, first, sampled, attempts, penalty_mean)
+        batch = concat(kept)[:target]
         # trim to whole groups so every group keeps all n samples
         batch = batch[: (batch.batch_size[0] // self.n) * self.n] if batch.batch_size[0] >= self.n else batch
         batch = advantage(batch, "grpo")
@@ -123,5 +132,15 @@ class DAPO(Recipe):
         state, metrics = update(state, batch, **{**self.update_kwargs(), "mini_batch_size": mini if mini and mini <= batch.batch_size[0] else None})
         extra = {"dapo/kept_frac": batch.batch_size[0] / max(sampled, 1), "dapo/attempts": float(attempts),
                  "dapo/overlong_penalty_mean": penalty_mean,
-                 "dapo/trained_rows": float(batch.batch_size[0]), "dapo/dropped_rows": float(rows - batch.batch_size[0])}
+                 "dapo/trained_rows": float(batch.batch_size[0]), "dapo/dropped_rows": float(rows - batch.batch_size[0]),
+                 "dapo/skipped_steps": 0.0}
         return state, {**rollout_metrics(first), **reward_metrics(first), **metrics, **extra}
+
+    @staticmethod
+    def _skip(state, first, sampled: int, attempts: int, penalty_mean: float):
+        """The step when no group was informative in any attempt: no update (see the module docs)."""
+        new_state = state.replace(step=state.step + 1)
+        state.donate("DAPO.step", new_state)  # as update donates: one live handle of the weights
+        extra = {"dapo/kept_frac": 0.0, "dapo/attempts": float(attempts), "dapo/overlong_penalty_mean": penalty_mean,
+                 "dapo/trained_rows": 0.0, "dapo/dropped_rows": 0.0, "dapo/skipped_steps": 1.0, "dapo/sampled_rows": float(sampled)}
+        return new_state, {**rollout_metrics(first), **reward_metrics(first), **extra}

@@ -92,6 +92,28 @@ def _resolve_loss(loss: LossSpec, loss_kw: Mapping[str, Any] | None, agg: Any = 
     return fn, kw, "generator" in params, accepted
 
 
+def _warn_local_normaliser(fn: Callable, accepted: set | None, *, parts: int, ranks: int, micro: int, mini: int) -> None:
+    """Warn when a policy loss cannot normalise by the whole mini-batch: it declares neither
+    ``num_tokens`` nor ``num_seqs`` (nor ``**kwargs``), so a mean it takes is over its own micro-batch
+    (or rank's share), and summing those parts is not the mini-batch's loss: micro-batching (or data
+    parallelism) would change the gradient, silently, by up to the number of parts."""
+    if accepted is None or accepted & {"num_tokens", "num_seqs"} or (parts <= 1 and ranks <= 1):
+        return
+    name = _loss_name(fn)
+    split = []
+    if parts > 1:
+        split.append(f"micro_batch_size={micro} splits each mini-batch into {parts} micro-batches")
+    if ranks > 1:
+        split.append(f"{ranks} data-parallel ranks each hold part of the mini-batch of {mini} rows")
+    warnings.warn(
+        f"rlkit.update: the policy loss {name!r} takes neither num_tokens nor num_seqs, so it can only normalise by "
+        f"the rows it is given; {' and '.join(split)}, whose losses are summed: a mean over each part is not the "
+        f"mini-batch's mean, and the gradient changes with the split. Add num_tokens=None, num_seqs=None parameters "
+        f"to {name} and pass them on (rk.algos.aggregate(loss_mat, response_mask, agg, num_tokens=num_tokens, "
+        f"num_seqs=num_seqs)), or train without micro-batches (micro_batch_size=None) on one process",
+        RuntimeWarning, stacklevel=3)
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dim()}-d tensor of shape {tuple(value.shape)}"
@@ -494,6 +516,8 @@ def update(
     # rows of one mini-batch on this rank (micro_batch_size bounds this rank's forward/backward)
     local_mini = mini // dp.size if shard is not None else mini
     micro = min(micro, local_mini)
+    _warn_local_normaliser(loss_fn, loss_accepts, parts=-(-local_mini // micro), ranks=dp.size if shard is not None else 1,
+                           micro=micro, mini=mini)
 
     # metrics stay on the device (float64) until one transfer at the end: a float() per metric
     # per micro-batch would make the host wait for the GPU before every backward

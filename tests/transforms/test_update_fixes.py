@@ -202,3 +202,31 @@ def test_fit_refuses_a_step_returning_metrics_first(tiny_model, char_tok):
     with pytest.raises(TypeError, match=r"MyAlgo\.step returned a tuple \(dict, TrainState\).*\(state, metrics\).*swapped") as info:
         rk.fit(state, MyAlgo(n=2, max_new_tokens=4), reward, PROMPTS, steps=1, batch_size=2)
     assert info.value.state.step == 1  # the state the step returned, for the run to go on from
+
+
+def test_a_loss_that_cannot_normalise_by_the_mini_batch_warns_when_micro_batched(tiny_model, char_tok):
+    """A loss declaring agg but neither num_tokens nor num_seqs averages over its own micro-batch:
+    with 4 rows in micro-batches of 1 the summed means gave about 4x (here 2x and more) the
+    full-batch loss and gradient, silently; update now says so. Unsplit, or with the counts
+    declared, there is nothing to warn about and the gradient is the full batch's."""
+    def own_mean(logprobs, old_logprobs, advantages, response_mask, *, agg="token-mean"):
+        return rk.algos.aggregate(-advantages * torch.exp(logprobs - old_logprobs), response_mask, agg), {}
+
+    def counted(logprobs, old_logprobs, advantages, response_mask, *, agg="token-mean", num_tokens=None):
+        return rk.algos.aggregate(-advantages * torch.exp(logprobs - old_logprobs), response_mask, agg,
+                                  num_tokens=num_tokens), {}
+
+    def run(loss, micro):
+        state = rk.init(copy.deepcopy(tiny_model), rk.optim.adamw(lr=1e-3), tokenizer=char_tok)
+        return _caught(lambda: rk.update(state, _batch(char_tok), loss=loss, micro_batch_size=micro,
+                                         max_logprob_gap=None)[1])
+
+    whole, quiet = run(own_mean, None)
+    assert not [w for w in quiet if "normalise" in w]
+    split, said = run(own_mean, 1)
+    assert split["actor/grad_norm"] > 1.5 * whole["actor/grad_norm"]  # the defect the warning names
+    assert any("'own_mean' takes neither num_tokens nor num_seqs" in w and "micro_batch_size=1 splits each mini-batch "
+               "into 4 micro-batches" in w for w in said)
+    exact, quiet = run(counted, 1)
+    assert not [w for w in quiet if "normalise" in w]
+    assert exact["actor/grad_norm"] == pytest.approx(whole["actor/grad_norm"], rel=1e-5)
