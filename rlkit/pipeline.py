@@ -244,6 +244,11 @@ class Plan:
         me = dist.get_rank()
         dp = DataParallel(actor_mesh, ranks.index(me), len(ranks), mean_reduce=False)
         actor = state.actor
+        # a state restored from a checkpoint (or trained a few steps in the notebook) before sharding
+        # keeps its AdamW moments and its place in the schedule: the rebuild started both afresh.
+        # Taken before FSDP replaces the parameters (the optimizer's state is keyed by the old ones)
+        carried = _progress(actor, state.optimizer, state.scheduler)
+        critic_carried = _progress(state.critic, state.critic_optimizer, state.critic_scheduler) if state.critic is not None else None
         dtype = self.rollout_dtype
         opts = dict(mixed_precision=self.mixed_precision, cpu_offload=self.cpu_offload,
                     activation_checkpointing=self.activation_checkpointing, gradient_reduction="sum")
@@ -281,10 +286,12 @@ class Plan:
 
         spec = state.optimizer_spec
         optimizer, scheduler = spec.build(actor)
+        _restore_progress(actor, optimizer, scheduler, carried, "actor")
         warn_sharded_low_precision(actor, spec, "actor", "Pipeline.lower")
         if state.critic is not None:
             # the critic's own spec (init's critic_optimizer): it was rebuilt with the actor's
             critic_opt, critic_sched = (state.critic_optimizer_spec or spec).build(state.critic)
+            _restore_progress(state.critic, critic_opt, critic_sched, critic_carried, "critic")
             warn_sharded_low_precision(state.critic, state.critic_optimizer_spec or spec, "critic", "Pipeline.lower")
         else:
             critic_sched = None
@@ -327,9 +334,11 @@ class Plan:
         mesh = self.placement.mesh("actor")
         opts = dict(mixed_precision=self.mixed_precision, cpu_offload=self.cpu_offload,
                     activation_checkpointing=self.activation_checkpointing, gradient_reduction="sum")
+        carried = _progress(actor, state.optimizer, state.scheduler)
         cache.update(actor_module=fsdp.shard_model(LogprobModule(actor), mesh, **opts),
                      dp=DataParallel(mesh, list(actor_ranks).index(me), len(actor_ranks)), grad_reduce=self.grad_reduce)
         optimizer, scheduler = state.optimizer_spec.build(actor)
+        _restore_progress(actor, optimizer, scheduler, carried, "actor")
         from rlkit.state import warn_sharded_low_precision
 
         warn_sharded_low_precision(actor, state.optimizer_spec, "actor", "Pipeline.lower")
@@ -381,7 +390,65 @@ class Plan:
 
         from rlkit.loop import fit
 
-        return fit(state, SimpleNamespace(step=self.pipeline._fn()), self.reward(state), prompts, steps=steps, batch_size=batch_size, **kwargs)
+        step = self.pipeline.step
+        # the recipe itself when there is one: fit reads its max_new_tokens (the prompt-length check
+        # before the first step) and compares its settings across ranks; a bare function is wrapped
+        recipe = step if callable(getattr(step, "step", None)) else SimpleNamespace(step=self.pipeline._fn())
+        return fit(state, recipe, self.reward(state), prompts, steps=steps, batch_size=batch_size, **kwargs)
+
+
+def _progress(model, optimizer, scheduler):
+    """The optimizer's per-parameter state (by parameter name, cloned) and hyper-parameters, and the
+    scheduler's state, taken before sharding rebuilds both; None for a state that has not stepped."""
+    if model is None or optimizer is None:
+        return None
+    if not optimizer.state and (scheduler is None or getattr(scheduler, "last_epoch", 0) <= 0):
+        return None
+    names = {id(p): n for n, p in model.named_parameters()}
+    per_param = {names[id(p)]: {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in st.items()}
+                 for p, st in optimizer.state.items() if id(p) in names}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return per_param, groups, (scheduler.state_dict() if scheduler is not None else None)
+
+
+def _restore_progress(model, optimizer, scheduler, carried, role: str) -> None:
+    """Load what :func:`_progress` took into the optimizer and scheduler built over the shards:
+    each moment becomes a DTensor laid out as its (sharded) parameter. The float32 master copies
+    of :class:`rlkit.optim.MasterWeightAdamW` have no place in an optimizer of sharded weights: they
+    are dropped, with a warning."""
+    if carried is None:
+        return
+    import warnings
+
+    per_param, groups, sched_sd = carried
+    if len(groups) != len(optimizer.param_groups):
+        raise RuntimeError(f"Pipeline.lower: the {role}'s optimizer was rebuilt with {len(optimizer.param_groups)} parameter "
+                           f"groups, the state has {len(groups)}; shard the state before its first step")
+    if scheduler is not None and sched_sd is not None:
+        scheduler.load_state_dict(sched_sd)
+    for group, saved in zip(optimizer.param_groups, groups):
+        group.update(saved)  # after the scheduler: the learning rate of the step reached
+    keeps_master = type(optimizer).__name__ == "MasterWeightAdamW"
+    dropped = False
+    for name, param in model.named_parameters():
+        saved = per_param.get(name)
+        if saved is None:
+            continue
+        state = {}
+        for key, value in saved.items():
+            if key == "master" and not keeps_master:
+                dropped = True
+                continue
+            if torch.is_tensor(value) and hasattr(param, "device_mesh") and value.shape == param.shape:
+                from torch.distributed.tensor import distribute_tensor
+
+                value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+            state[key] = value
+        optimizer.state[param] = state
+    if dropped:
+        warnings.warn(f"Pipeline.lower: the {role}'s float32 master weights are not kept over FSDP shards (the optimizer "
+                      "steps the sharded weights themselves); its moments and schedule carry over, the master copies do not",
+                      RuntimeWarning, stacklevel=4)
 
 
 def split_prompts(prompts: Prompts, dp: DataParallel) -> tuple[Prompts, int]:

@@ -565,3 +565,19 @@ def test_grpo_recipe_with_kl_equals_the_plain_transform_sequence():
     for (k, a), b in zip(s1.actor.state_dict().items(), s2.actor.state_dict().values()):
         assert torch.equal(a, b), k
     assert m1["actor/kl_loss"] == m2["actor/kl_loss"] and m1["reward/mean"] == float(batch["rewards"].mean())
+
+
+def test_plan_fit_checks_prompt_lengths_before_the_first_step_as_fit_does():
+    """Plan.fit handed fit a namespace holding only the step function, so fit could not read the
+    recipe's max_new_tokens: a prompt too long for the context trained step 1 and failed at step 2
+    with the rollout's per-batch message, where rk.fit refuses before training, naming the rows."""
+    task = rk.tasks.arithmetic(digits=2, n_train=8, n_test=8)
+    model = rk.models.tiny(task.tokenizer, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                           num_key_value_heads=1, max_position_embeddings=10)
+    recipe = rk.recipes.get("grpo").with_(n=2, max_new_tokens=5)
+    rows = [{"prompt": "1+2=", "answer": "3"}] * 4 + [{"prompt": "12+34=", "answer": "46"}] * 4  # 6 + 5 > 10
+    state = rk.init(model, rk.optim.adamw(lr=1e-3), tokenizer=task.tokenizer)
+    with pytest.raises(ValueError, match="rows that do not fit: 4, 5, 6, 7") as info:
+        rk.Pipeline(recipe, reward=task.reward).lower().fit(state, rows, steps=2, batch_size=4, shuffle=False)
+    assert getattr(info.value, "history", []) == []  # refused before any step trained
+    assert state.step == 0 and state.policy_version == 0
