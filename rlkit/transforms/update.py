@@ -74,6 +74,7 @@ def _resolve_loss(loss: LossSpec, loss_kw: Mapping[str, Any] | None, agg: Any = 
         raise TypeError(f"loss_kw sets {reserved}, which update passes to the loss itself; give agg= (and horizon=, "
                         "Dr. GRPO's constant) to update or the recipe instead, and leave the counts and the generator to update")
     params = inspect.signature(fn).parameters
+    _check_loss_positions(fn, params)
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         unknown = set(kw) - set(params)
         if unknown:
@@ -90,6 +91,32 @@ def _resolve_loss(loss: LossSpec, loss_kw: Mapping[str, Any] | None, agg: Any = 
             f"horizon=...) applies it), or {drop_agg}"
         )
     return fn, kw, "generator" in params, accepted
+
+
+#: the four tensors update hands a policy loss, by position, in this order
+LOSS_INPUTS = ("logprobs", "old_logprobs", "advantages", "response_mask")
+
+
+def _check_loss_positions(fn: Callable, params) -> None:
+    """A policy loss receives its four tensors by position (``logprobs, old_logprobs, advantages,
+    response_mask``). A loss naming them in another order (``f(logprobs, advantages, response_mask,
+    old_logprobs)``, as estimators get fields by name) trained on the wrong tensors without an error;
+    one taking fewer failed with Python's bare "takes 3 positional arguments". Both are refused here,
+    naming the order; other names (``mask``, ``adv``) are the user's to choose."""
+    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    var_positional = any(p.kind is p.VAR_POSITIONAL for p in params.values())
+    name = _loss_name(fn)
+    order = ", ".join(LOSS_INPUTS)
+    if len(positional) < 4 and not var_positional:
+        raise TypeError(f"policy loss {name!r} takes {len(positional)} positional argument(s) "
+                        f"({', '.join(p.name for p in positional) or 'none'}); update passes four, in this order: {order}. "
+                        "Declare all four (an unused one still needs its place)")
+    misplaced = [(i, p.name) for i, p in enumerate(positional[:4]) if p.name in LOSS_INPUTS and LOSS_INPUTS[i] != p.name]
+    if misplaced:
+        got = ", ".join(p.name for p in positional[:4])
+        raise TypeError(f"policy loss {name!r} takes ({got}), but update passes its tensors by position as ({order}): "
+                        + "; ".join(f"its {p!r} would receive the {LOSS_INPUTS[i]}" for i, p in misplaced)
+                        + f". Reorder {name}'s parameters to ({order})")
 
 
 def _warn_local_normaliser(fn: Callable, accepted: set | None, *, parts: int, ranks: int, micro: int, mini: int) -> None:

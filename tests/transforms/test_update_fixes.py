@@ -230,3 +230,28 @@ def test_a_loss_that_cannot_normalise_by_the_mini_batch_warns_when_micro_batched
     exact, quiet = run(counted, 1)
     assert not [w for w in quiet if "normalise" in w]
     assert exact["actor/grad_norm"] == pytest.approx(whole["actor/grad_norm"], rel=1e-5)
+
+
+def test_a_loss_with_its_tensors_in_another_order_is_refused(tiny_model, char_tok):
+    """update passes the four tensors by position: a loss naming them in another order (as an
+    estimator gets batch fields by name) trained on the old log-probs as its advantages, silently;
+    one taking three failed with Python's bare 'takes 3 positional arguments'."""
+    def reordered(logprobs, advantages, response_mask, old_logprobs, *, num_tokens=None):
+        ratio = torch.exp(logprobs - old_logprobs)
+        return -(ratio * advantages * response_mask).sum() / num_tokens, {}
+
+    def three(logprobs, advantages, response_mask, *, num_tokens=None):
+        return -(logprobs * advantages * response_mask).sum() / num_tokens, {}
+
+    def own_names(lp, old_lp, adv, mask, *, num_tokens=None):  # any names, in the right places
+        return -(torch.exp(lp - old_lp) * adv * mask).sum() / num_tokens, {}
+
+    state = rk.init(copy.deepcopy(tiny_model), rk.optim.adamw(lr=1e-3), tokenizer=char_tok)
+    with pytest.raises(TypeError, match=r"its 'advantages' would receive the old_logprobs; its 'response_mask' would "
+                                        r"receive the advantages; its 'old_logprobs' would receive the response_mask"):
+        rk.update(state, _batch(char_tok), loss=reordered)
+    with pytest.raises(TypeError, match=r"takes 3 positional argument\(s\) \(logprobs, advantages, response_mask\); "
+                                        r"update passes four"):
+        rk.update(state, _batch(char_tok), loss=three)
+    state, metrics = rk.update(state, _batch(char_tok), loss=own_names, max_logprob_gap=None)
+    assert state.step == 1 and metrics["actor/grad_norm"] > 0
