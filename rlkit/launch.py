@@ -13,7 +13,9 @@ From Python or a notebook::
 
 ``fn`` is shipped to the workers with cloudpickle through a module-level trampoline, so
 functions and closures defined in a notebook's ``__main__`` work; workers start with the
-``spawn`` method (safe inside Jupyter). Each worker appends its metrics as JSON lines to
+``spawn`` method (safe inside Jupyter). Names the caller registered (an advantage estimator or
+policy loss registered in a notebook cell, a recipe added to ``rk.recipes.RECIPES``) travel with
+``fn`` and are registered in each worker before it runs. Each worker appends its metrics as JSON lines to
 ``<run_dir>/metrics/rank<R>.jsonl``; a thread in the caller tails those files and calls
 ``on_metrics(rank, metrics)`` as lines arrive (default: print them). Worker stdout/stderr are
 echoed to the caller too, prefixed with the local rank. A worker's exception comes back as a
@@ -145,7 +147,8 @@ def _on_sigint(signum, frame) -> None:
 
 
 def _worker(payload: bytes, run_dir: str) -> tuple[int, bytes]:
-    """Trampoline run in every worker: unpickle ``(fn, args, kwargs)``, run it, report."""
+    """Trampoline run in every worker: unpickle ``(fn, args, kwargs)`` and the caller's own registry
+    entries (:func:`_user_registrations`), register those, run ``fn``, report."""
     _own_session()  # first: until then a signal to the caller's group reaches this process too
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _on_sigint)
@@ -166,7 +169,8 @@ def _worker(payload: bytes, run_dir: str) -> tuple[int, bytes]:
     _write_atomic(marker + ".pid", f"{socket.gethostname()} {os.getpid()}")
     try:
         try:
-            fn, args, kwargs = cloudpickle.loads(payload)
+            fn, args, kwargs, registrations = cloudpickle.loads(payload)
+            _restore_registrations(registrations)
             result = fn(*args, **kwargs)
         except BaseException:
             _write_atomic(os.path.join(run_dir, "errors", f"rank{rank}.txt"), traceback.format_exc())
@@ -175,6 +179,70 @@ def _worker(payload: bytes, run_dir: str) -> tuple[int, bytes]:
         return rank, cloudpickle.dumps(result)
     finally:
         _write_atomic(marker + ".done", "")
+
+
+#: plain ``name -> factory`` tables that rlkit resolves names through (``rk.recipes.get("grpo")``,
+#: ``rk.tasks.get``), shipped to the workers whole: a worker imports them afresh, without the
+#: entries a notebook added (rlkit's own travel by reference, so they stay the same objects)
+_NAME_TABLES = (("rlkit.recipes", "RECIPES"), ("rlkit.tasks", "TASKS"))
+
+
+def _user_registrations() -> list[tuple[str, str, str, Any]]:
+    """``(module, table, name, value)`` for the names registered in this process that a fresh worker
+    would not know: the entries user code added to rlkit's registries (advantage estimators,
+    policy losses, aggregations, KL penalties; :func:`rlkit.algos.registry.user_registrations`),
+    and the entries of :data:`_NAME_TABLES` whose module is loaded here. Without them a name
+    registered in a notebook failed in the workers ("unknown advantage estimator 'median'")."""
+    from rlkit.algos.registry import user_registrations
+
+    entries = list(user_registrations())
+    for module, table in _NAME_TABLES:
+        loaded = sys.modules.get(module)
+        names = getattr(loaded, table, None) if loaded is not None else None
+        if isinstance(names, dict):
+            entries.extend((module, table, name, value) for name, value in names.items())
+    return entries
+
+
+def _picklable(entries: list[tuple[str, str, str, Any]]) -> list[tuple[str, str, str, Any]]:
+    """``entries`` less those cloudpickle cannot pickle, each named in a warning: an entry the
+    launched function never uses must not stop the launch, and one it uses fails in the worker as
+    an unknown name, which the warning has explained."""
+    import warnings
+
+    import cloudpickle
+
+    kept = []
+    for entry in entries:
+        module, table, name, value = entry
+        try:
+            cloudpickle.dumps(value)
+        except Exception as e:
+            what = f"{module}.{table}[{name!r}]" if (module, table) in _NAME_TABLES else f"{table} {name!r}"
+            warnings.warn(
+                f"launch: {what}, registered in this process, cannot be pickled for the workers "
+                f"({type(e).__name__}: {e}); the workers will not know the name {name!r}. Define it in an importable "
+                "module, or keep what it refers to picklable (no open files, locks or live connections)",
+                stacklevel=3,
+            )
+            continue
+        kept.append(entry)
+    return kept
+
+
+def _restore_registrations(entries: list[tuple[str, str, str, Any]]) -> None:
+    """In a worker: register the caller's entries (:func:`_user_registrations`), replacing what
+    their names hold, before ``fn`` runs."""
+    import importlib
+
+    from rlkit.algos.registry import restore_registrations
+
+    restore_registrations([e for e in entries if e[:2] not in _NAME_TABLES])
+    for module, table, name, value in entries:
+        if (module, table) in _NAME_TABLES:
+            names = getattr(importlib.import_module(module), table)
+            if names.get(name) is not value:
+                names[name] = value
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -374,6 +442,25 @@ def _read_errors(run_dir: str) -> dict[int, tuple[float, str]]:
     return out
 
 
+def _refuse_pipeline(fn: Any) -> None:
+    """A :class:`rlkit.Pipeline` is callable (one training step, ``pipe(state, prompts)``), so
+    ``rk.launch(pipe)`` passed the callable check and every worker failed with "Pipeline.__call__()
+    missing 2 required positional arguments"; a lowered ``Plan`` is not a function either."""
+    pipeline = sys.modules.get("rlkit.pipeline")  # loaded wherever a Pipeline or Plan exists
+    if pipeline is None:
+        return
+    for cls, what in ((pipeline.Pipeline, "an rk.Pipeline"), (pipeline.Plan, "a Plan (a lowered rk.Pipeline)")):
+        if isinstance(fn, cls):
+            raise TypeError(
+                f"launch: fn is {what}, not a training function: launch runs fn(*args, **kwargs) in every "
+                "worker and has no state or prompts to give a pipeline. Pass a function that builds the state, lowers "
+                "the pipeline and trains, e.g. def train(steps): init_distributed(); state = rk.init(...); "
+                "plan = pipe.lower(); state = plan.shard(state); state, history = plan.fit(state, prompts, steps=steps, "
+                "batch_size=...); return history[-1]; then rk.launch(train, 100, nproc_per_node=2) "
+                "(tutorials/distributed.md, section 0)"
+            )
+
+
 def launch(
     fn: Callable,
     *args: Any,
@@ -409,7 +496,13 @@ def launch(
     ``sys.exit(0)`` instead of returning (it leaves no result), and, with ``max_restarts=0``, one
     whose process ends inside ``fn`` without an exception (``os._exit(0)``), a few seconds after
     (torch elastic alone would wait for its result forever; with restarts it still does). Arguments of the wrong type or
-    range raise ``ValueError`` naming them before any process starts.
+    range raise ``ValueError`` naming them before any process starts; a :class:`rlkit.Pipeline` or
+    ``Plan`` as ``fn`` raises ``TypeError`` (pass a function that builds the state and trains).
+
+    Entries registered in this process by code outside rlkit (``rk.algos.ADVANTAGE_ESTIMATORS.register
+    ("median")(fn)`` in a notebook, ``override=True`` replacements of built-ins, entries added to
+    ``rk.recipes.RECIPES`` / ``rk.tasks.TASKS``) are shipped with ``fn`` and registered in each
+    worker before ``fn`` runs; one that cannot be pickled is skipped with a warning naming it.
     """
     import cloudpickle
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -417,6 +510,7 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    _refuse_pipeline(fn)
     if not callable(fn):
         raise TypeError(f"launch: fn must be a callable, got {type(fn).__name__}")
     _check_launch_args(nproc_per_node, nnodes, rdzv_endpoint, rdzv_backend, max_restarts, on_metrics, run_dir, run_id)
@@ -434,7 +528,16 @@ def launch(
         raise ValueError(f"launch: run_dir={run_dir!r} cannot be used as a directory: {e}") from e
     for stale in [p for sub in ("errors", "metrics", "workers") for p in glob.glob(os.path.join(run_dir, sub, "*"))]:
         os.remove(stale)  # a reused run_dir must not replay an old run's metrics or errors
-    payload = cloudpickle.dumps((fn, args, kwargs))
+    # names the caller registered (a notebook's estimator, loss, recipe) travel with fn: the
+    # workers import rlkit afresh and knew only its built-ins
+    registrations = _user_registrations()
+    try:
+        payload = cloudpickle.dumps((fn, args, kwargs, registrations))
+    except Exception:
+        # one entry that cannot be pickled is skipped with a warning naming it; fn, args or kwargs
+        # that cannot be pickled raise here as before
+        registrations = _picklable(registrations)
+        payload = cloudpickle.dumps((fn, args, kwargs, registrations))
     config = LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,

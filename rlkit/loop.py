@@ -58,7 +58,9 @@ def fit(
     ``rk.recipes.get``); ``sinks`` one sink or several. A state past step 0 (a resumed run) first
     calls ``sink.rewind(state.step)`` on the sinks that have it: :class:`rlkit.observe.JSONLSink`
     and the in-memory sinks drop what they logged for later steps, which this run redoes, so a
-    metrics file has each step once, in order.
+    metrics file has each step once, in order. On several processes only rank 0 calls the sinks
+    (the metrics are the run's, the same on every rank), so a script may build its sinks on every
+    rank: a sink with ``all_ranks = True`` is called on every rank.
 
     Each step's metrics get ``time/step_s`` and ``time/elapsed_s``, the run's training wall time:
     it goes on from ``state.extras["fit/elapsed_s"]`` (kept in checkpoints), so a second ``fit``
@@ -151,6 +153,18 @@ def fit(
             record_stop(given, state, exc)  # the cell run again with the donated handle points here
         raise
     return state, history
+
+
+def _this_ranks_sinks(sinks: list) -> list:
+    """The sinks this process calls: all of them on one process; on several (torch.distributed
+    initialised, more than one rank) those of rank 0 only, whose metrics are the run's (every rank
+    reports the same, reduced figures), unless a sink sets ``all_ranks = True``. A script launched
+    on 2 ranks with a JSONLSink on each wrote every step twice into one file, and a progress bar per rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or dist.get_rank() == 0:
+        return sinks
+    return [s for s in sinks if getattr(s, "all_ranks", False)]
 
 
 def _elapsed_before(state) -> float:
@@ -298,7 +312,7 @@ def _check_fit_args(state, recipe, reward, steps, sinks, checkpointer):
 
     check_reward(reward, "fit", getattr(recipe, "reward_weights", None))
     int_at_least(steps, "steps", 0, " (the step count to reach)")
-    sinks = as_sinks(sinks, "fit")
+    sinks = _this_ranks_sinks(as_sinks(sinks, "fit"))
     if checkpointer is not None and not callable(getattr(checkpointer, "maybe_save", None)):
         raise TypeError(f"fit: checkpointer must be an rk.Checkpointer (with .maybe_save(state)), got {checkpointer!r}")
     return state, recipe, sinks

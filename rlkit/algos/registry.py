@@ -5,9 +5,33 @@ signature, so a user's own estimator or loss is a first-class citizen.
 """
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, TypeVar
+import importlib
+import sys
+import warnings
+import weakref
+from typing import Any, Callable, Generic, Iterator, TypeVar
 
 F = TypeVar("F", bound=Callable)
+
+#: every Registry made in this process: rk.launch ships the entries user code registered in them
+#: (:func:`user_registrations`) and each worker re-registers them (:func:`restore_registrations`)
+_REGISTRIES: "weakref.WeakSet[Registry]" = weakref.WeakSet()
+
+
+def _caller_module() -> str | None:
+    """``__name__`` of the module whose code called into this file (this file's frames skipped, and
+    typing's: ``Registry[Callable]("kind")`` is made from inside it)."""
+    try:
+        frame = sys._getframe(1)
+    except (AttributeError, ValueError):  # no frame introspection outside CPython
+        return None
+    while frame is not None and (frame.f_globals is globals() or frame.f_globals.get("__name__") == "typing"):
+        frame = frame.f_back
+    return frame.f_globals.get("__name__") if frame is not None else None
+
+
+def _in_rlkit(module: object) -> bool:
+    return isinstance(module, str) and (module == "rlkit" or module.startswith("rlkit."))
 
 
 def _where(fn: object) -> str:
@@ -36,6 +60,13 @@ class Registry(Generic[F]):
     def __init__(self, kind: str):
         self.kind = kind
         self._fns: dict[str, F] = {}
+        #: the entries registered by code outside rlkit (a notebook, a user's module): a fresh
+        #: process (an rk.launch worker) imports rlkit's own entries, but not these. Kept with the
+        #: function, so an entry replaced or removed since (``_fns`` swapped) is not taken for one
+        self._user: dict[str, F] = {}
+        #: the module that made this registry, where a fresh process finds it again
+        self.home = _caller_module()
+        _REGISTRIES.add(self)
 
     def register(self, *names: str | F, override: bool = False) -> Callable[[F], F] | F:
         """Decorator: ``@POLICY_LOSSES.register("ppo_clip", "vanilla")``.
@@ -52,6 +83,7 @@ class Registry(Generic[F]):
         """
         if len(names) == 1 and callable(names[0]) and not isinstance(names[0], str):
             return self.register(override=override)(names[0])  # bare @REG.register: the function came as the "name"
+        caller = _caller_module()
         for name in names:
             if not isinstance(name, str) or not name:
                 raise TypeError(
@@ -80,8 +112,13 @@ class Registry(Generic[F]):
                         f"{_where(fn)}; choose another name, or pass override=True to replace it: "
                         f"register({name!r}, override=True)(fn)"
                     )
+            user = not _in_rlkit(caller if caller is not None else getattr(fn, "__module__", None))
             for name in keys:  # all names checked first, so a clash registers none of them
                 self._fns[name] = fn
+                if user:
+                    self._user[name] = fn
+                else:
+                    self._user.pop(name, None)
             return fn
 
         return deco
@@ -105,6 +142,12 @@ class Registry(Generic[F]):
     def names(self) -> list[str]:
         return sorted(self._fns)
 
+    def user_entries(self) -> dict[str, F]:
+        """The entries registered by code outside rlkit (a notebook cell, a user's module), built-in
+        names replaced with ``override=True`` included: what a fresh process that imports rlkit
+        does not have, and :func:`rlkit.launch` ships to its workers."""
+        return {name: fn for name, fn in sorted(self._user.items()) if self._fns.get(name) is fn}
+
     def __contains__(self, name: object) -> bool:
         return name in self._fns
 
@@ -113,3 +156,31 @@ class Registry(Generic[F]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, {self.names()})"
+
+
+def user_registrations() -> list[tuple[str, str, str, Any]]:
+    """``(home, kind, name, fn)`` for every entry that code outside rlkit registered in this
+    process, in the registries of importable modules (rlkit's own, or a user module's): a worker
+    started by :func:`rlkit.launch` imports those modules afresh and would know only the entries
+    they register themselves. A registry made in ``__main__`` is left out: it is not importable
+    in another process, and reaches a worker with its entries inside the function that uses it."""
+    out = []
+    for registry in list(_REGISTRIES):
+        if registry.home is None or registry.home == "__main__":
+            continue
+        out.extend((registry.home, registry.kind, name, fn) for name, fn in registry.user_entries().items())
+    return sorted(out, key=lambda entry: entry[:3])
+
+
+def restore_registrations(entries: list[tuple[str, str, str, Any]]) -> None:
+    """Register ``entries`` (from :func:`user_registrations` in another process) here, replacing
+    whatever their names hold: how an rk.launch worker learns the names its caller registered."""
+    for home, kind, name, fn in entries:
+        importlib.import_module(home)
+        registry = next((r for r in list(_REGISTRIES) if r.home == home and r.kind == kind), None)
+        if registry is None:
+            warnings.warn(f"no {kind} registry in module {home} in this process; {kind} {name!r} is not registered here",
+                          stacklevel=2)
+            continue
+        registry._fns[name] = fn
+        registry._user[name] = fn
