@@ -6,6 +6,7 @@ tests/models/; Batch field errors in test_batch.py; reward errors in transforms/
 import json
 
 import pytest
+import torch
 
 import rlkit as rk
 from rlkit.data import DataError
@@ -315,3 +316,39 @@ def test_ppo_knobs_are_checked_when_the_recipe_is_built():
         with pytest.raises(ValueError, match=match):
             rk.recipes.get("ppo").with_(**changes)
     assert rk.recipes.get("ppo", value_clip=None).value_clip is None
+
+
+def test_recipe_errors_name_the_users_own_class_and_a_misspelt_step():
+    """A Recipe subclass without step raised a bare NotImplementedError(); rk.fit(MyRecipe) advised
+    rk.recipes.MyRecipe(...), which does not exist for a user's own class."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Typo(rk.recipes.Recipe):
+        def stepp(self, state, prompts, reward):
+            return state, {}
+
+    with pytest.raises(NotImplementedError, match=r"Typo has no step method \(it defines stepp: a misspelt step\?\)"):
+        Typo().step(None, [], None)
+    task = rk.tasks.arithmetic(digits=1, n_train=8, n_test=4)
+    state = rk.init(rk.models.tiny(task.tokenizer, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                   num_key_value_heads=1), rk.optim.adamw(lr=1e-3), tokenizer=task.tokenizer)
+    with pytest.raises(TypeError, match=r"Typo is a recipe class; pass an instance, Typo\(\.\.\.\)$"):
+        rk.fit(state, Typo, task.reward, task.train, steps=1, batch_size=2)
+    with pytest.raises(TypeError, match=r"pass an instance, rk.recipes.GRPO\(\.\.\.\) or rk.recipes.get"):
+        rk.fit(state, rk.recipes.GRPO, task.reward, task.train, steps=1, batch_size=2)
+
+
+def test_an_estimator_parameter_that_is_no_batch_field_is_named():
+    """`mask` for response_mask failed with Python's bare "missing 1 required positional argument"."""
+    from rlkit.batch import make_batch
+
+    batch = make_batch([[1, 2]] * 4, [[3, 4]] * 4, group=[0, 0, 1, 1], rewards=[1.0, 0.0, 0.5, 0.5])
+
+    def my_estimator(token_rewards, mask, group):
+        return token_rewards * mask, token_rewards * mask
+
+    with pytest.raises(TypeError, match=r"'my_estimator' requires \['mask'\], which is no batch field .*response_mask"):
+        rk.advantage(batch, my_estimator)
+    out = rk.advantage(batch, my_estimator, mask=batch["response_mask"])  # given as an option, it is used
+    assert torch.equal(out["advantages"], out["returns"])

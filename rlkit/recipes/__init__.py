@@ -36,8 +36,9 @@ def check_not_uncalled(obj, where: str) -> None:
     is expected: one looked like a step function and failed at the first step with "step()
     missing 1 required positional argument" or "takes 0 positional arguments"."""
     if isinstance(obj, type) and issubclass(obj, Recipe):
-        raise TypeError(f"{where}: {obj.__name__} is a recipe class; pass an instance, rk.recipes.{obj.__name__}(...) "
-                        "or rk.recipes.get(name)")
+        builtin = obj.__module__.startswith("rlkit.")
+        made = f"rk.recipes.{obj.__name__}(...) or rk.recipes.get(name)" if builtin else f"{obj.__name__}(...)"
+        raise TypeError(f"{where}: {obj.__name__} is a recipe class; pass an instance, {made}")
     for name, factory in RECIPES.items():
         if obj is factory:
             raise TypeError(f"{where}: rk.recipes.{factory.__name__} makes a recipe; pass rk.recipes.{factory.__name__}(...) "

@@ -225,8 +225,16 @@ class Recipe:
     def needs_critic(self) -> bool:
         return False
 
-    def step(self, state, prompts, reward):  # pragma: no cover - abstract
-        raise NotImplementedError
+    def step(self, state, prompts, reward):
+        """One training step: ``(state, metrics)``. Subclasses define it (the built-in recipes do)."""
+        own = sorted(n for n in vars(type(self)) if not n.startswith("_") and callable(getattr(type(self), n))
+                     and n not in vars(Recipe))
+        close = [n for n in own if n.lower().startswith("step") or "step" in n.lower()]
+        hint = f" (it defines {', '.join(close)}: a misspelt step?)" if close else ""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no step method{hint}; a Recipe subclass defines "
+            "step(self, state, prompts, reward) -> (state, metrics), e.g. rollout, score, advantage and update "
+            "(see rlkit/recipes/base.py, or tutorials/custom_algorithm.md 'A recipe')")
 
 
 def check_fields(factory: Callable, changes: Mapping[str, Any], where: str) -> None:

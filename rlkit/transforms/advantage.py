@@ -154,6 +154,16 @@ def advantage(batch: Batch, estimator: str | Callable = "grpo", **kw) -> Batch:
                 f"estimator {shown!r} compares samples of the same prompt but every group has "
                 f"1 sample; sample n >= 2 responses per prompt (rollout(..., n=8))"
             )
+    missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in BATCH_INPUTS
+               and n not in kw and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if missing:
+        # a required parameter that is neither a batch field nor an option given: Python's bare
+        # "missing 1 required positional argument: 'mask'" named neither the fields nor the fix
+        name = getattr(fn, "__name__", fn)
+        raise TypeError(f"advantage estimator {name!r} requires {missing}, which is no batch field it can receive "
+                        f"({', '.join(BATCH_INPUTS)}: passed by name) nor an option given to rk.advantage; rename "
+                        f"the parameter to a batch field (e.g. response_mask for a mask), give it a default, or pass "
+                        f"it: rk.advantage(batch, {name!r}, {missing[0]}=...)")
     unknown = set(kw) - set(params) if not any(p.kind is p.VAR_KEYWORD for p in params.values()) else set()
     if unknown:
         hyper = [n for n in params if n not in BATCH_INPUTS]
