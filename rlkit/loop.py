@@ -98,6 +98,7 @@ def fit(
     # a no-op on one process): a batch_size, steps or lr given to one rank only trained silently or hung
     from rlkit.parallel.agree import check_fit_agrees
 
+    _warn_unlowered(state)
     check_fit_agrees(state, recipe, prompts, steps=steps, batch_size=batch_size, shuffle=shuffle,
                      eval_every=eval_every, checkpointer=checkpointer is not None)
     if state.step < steps:
@@ -153,6 +154,25 @@ def fit(
             record_stop(given, state, exc)  # the cell run again with the donated handle points here
         raise
     return state, history
+
+
+def _warn_unlowered(state) -> None:
+    """Warn when fit runs on several processes with a state no Plan sharded: every rank then trains
+    its own full copy on the whole batch (N times the work, no data parallelism) and saves it, which a
+    launched script that forgot ``Pipeline(...).lower().shard(state)`` did without a word. Independent
+    runs per rank (one seed each) are legitimate: a warning, not an error."""
+    import warnings
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    if "dp" in state._cache or "split" in state._cache:
+        return
+    warnings.warn(f"fit: {dist.get_world_size()} processes run this fit, but the state was not lowered: each rank trains "
+                  "its own full copy on the whole batch (no data parallelism). Shard it first: plan = rk.Pipeline(recipe, "
+                  "reward).lower(); state = plan.shard(state); plan.fit(state, ...). Ignore this for independent runs per rank",
+                  RuntimeWarning, stacklevel=3)
 
 
 def _this_ranks_sinks(sinks: list) -> list:

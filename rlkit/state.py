@@ -89,6 +89,11 @@ class TrainState:
       the state's is re-synced. The optimizer's own step count is ``scheduler.last_epoch``.
     - ``seed``: root of every random key (see :func:`fold_in`).
     - ``data_position``: how many prompt batches the data loader has consumed (for resume).
+      :func:`rlkit.fit` advances it; ``update`` does not (it never sees the batches), so a loop of
+      your own that checkpoints advances it after each batch,
+      ``state = state.replace(data_position=state.data_position + 1)``, and resumes with
+      ``task.prompts(..., start=state.data_position)`` (left at 0 the resumed loop replayed the
+      first batches).
     - ``extras``: small picklable values recipes carry between steps (e.g. an adaptive KL
       controller); saved in checkpoints.
     """

@@ -52,5 +52,8 @@ class Task:
 
     def prompts(self, batch_size: int, steps: int, *, seed: int = 0, start: int = 0) -> Iterator[Prompts]:
         """The training batches at stream positions ``start`` .. ``steps - 1`` (deterministic order;
-        ``steps`` is the whole run's length, so a run resumed at ``start`` gets what it has left)."""
+        ``steps`` is the whole run's length, so a run resumed at ``start`` gets what it has left).
+        Resuming a loop of your own: ``start=state.data_position``, which :func:`rlkit.fit` keeps and
+        a plain loop advances itself (``state.replace(data_position=state.data_position + 1)`` per
+        batch; see :class:`rlkit.TrainState`)."""
         return self.train.batches(batch_size, steps, seed=seed, start=start)
