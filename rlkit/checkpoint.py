@@ -189,6 +189,33 @@ def _all_gather(obj: Any) -> list[Any]:
     return out
 
 
+#: words in torch.distributed's errors for a collective that the other ranks never joined
+_NOT_JOINED = ("timed out", "timeout", "closed by peer", "connection reset", "broken pipe")
+
+
+@contextlib.contextmanager
+def _waiting_for_ranks(what: str):
+    """A collective that the other ranks never joined (``save`` or ``resume`` called under ``if
+    rank == 0``) failed after the process group's timeout with gloo's bare "Timed out waiting
+    1800000ms for recv operation" (or "Connection closed by peer" when the others had exited),
+    naming neither the call nor the fix: it is re-raised as a :class:`CheckpointError` that does.
+    The wait itself cannot be shortened (a slow rank looks the same as an absent one)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        from rlkit.parallel.agree import RanksDisagreeError
+
+        text = str(exc).lower()
+        if isinstance(exc, (CheckpointError, RanksDisagreeError)) or not any(w in text for w in _NOT_JOINED):
+            raise
+        raise CheckpointError(
+            f"{what}: the other ranks did not join its collective ({_last_line(exc)}). Checkpointer.save, resume and "
+            f"restore (and rk.fit with a checkpointer) are collectives over every process of the job: build the "
+            f"Checkpointer and call them on every rank, not under `if rank == 0` (every rank saves and loads its own "
+            f"shards); a rank that skips the call leaves the others waiting for the process group's timeout"
+        ) from exc
+
+
 # --------------------------------------------------------------------------- directory layout
 def step_dir_name(step: int) -> str:
     """``step_000123``: zero-padded so names sort like steps (more digits past 999999)."""
@@ -617,7 +644,8 @@ def save(
     if root.exists() and not root.is_dir():
         raise ValueError(f"root {str(root)!r} is a file, not a folder; give the checkpoints folder (it is created when missing)")
     name = step_dir_name(step)
-    tmp = root / f"{name}.tmp-{_broadcast(uuid.uuid4().hex[:12])}"
+    with _waiting_for_ranks("save"):
+        tmp = root / f"{name}.tmp-{_broadcast(uuid.uuid4().hex[:12])}"
     final = root / name
     if _rank() == 0:
         tmp.mkdir(parents=True)
@@ -775,6 +803,7 @@ def _validate(template: TrainState, meta: dict[str, Any], path: Path, save_ref: 
                 f"than this state's {role} ({mine['class']}): {problems[0]}{more}. Build the model with the checkpoint's "
                 f"architecture, or resume from a checkpoint of this model / start a fresh run (a new --out)"
             )
+        _check_tied_embeddings(model, role, theirs.get("config") or {}, mine["config"] or {}, path)
         if theirs.get("config_hash") and mine["config_hash"] and theirs["config_hash"] != mine["config_hash"]:
             a, b = theirs.get("config") or {}, mine["config"] or {}
             diff = sorted(k for k in set(a) | set(b) if k not in _VOLATILE_CONFIG_KEYS and a.get(k) != b.get(k))
@@ -792,6 +821,28 @@ def _validate(template: TrainState, meta: dict[str, Any], path: Path, save_ref: 
                 f"({len(dtypes)} tensor(s) differ); values are cast on load, so the resume is not exact",
                 RuntimeWarning, stacklevel=3,
             )
+
+
+def _check_tied_embeddings(model: torch.nn.Module, role: str, saved: dict[str, Any], now: dict[str, Any], path: Path) -> None:
+    """Raise :class:`CheckpointMismatchError` for a checkpoint of untied input and output embeddings
+    loaded into a model that ties them. Their parameter lists look alike (a tied model's state dict
+    names the one shared matrix twice), so this warned "config differs in ['tie_word_embeddings']
+    ... loading anyway" and then failed inside DCP ("Missing optimizer state for parameter
+    'lm_head.weight'"); without optimizer state it would load both saved matrices into the one
+    shared tensor, the last one winning. The other direction (a tied checkpoint into an untied
+    model: both matrices get the saved one) loads correctly and is left alone."""
+    if saved.get("tie_word_embeddings") is not False or now.get("tie_word_embeddings") is not True:
+        return
+    out = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if out is None:
+        return  # no output embeddings to tie (a critic's value head): the setting does not matter
+    raise CheckpointMismatchError(
+        f"checkpoint {path} was saved from a model with untied embeddings (tie_word_embeddings=False: the output "
+        f"projection lm_head.weight is a matrix of its own) but this state's {role} ties them (tie_word_embeddings=True: "
+        f"lm_head.weight is the input embedding matrix), which cannot hold both saved matrices. Build the model with "
+        f"tie_word_embeddings=False (e.g. rk.models.tiny(..., tie_word_embeddings=False), or "
+        f"from_pretrained(..., tie_word_embeddings=False)), as in the saved run"
+    )
 
 
 def load(
@@ -861,6 +912,7 @@ def load(
 
             # an empty template optimizer is initialised by DCP (zero-lr step), then overwritten
             sd[model_key], sd[opt_key] = get_state_dict(model, optimizer, options=_sd_options())
+            _warn_unused_masters(sd[opt_key], opt_key, saved_keys, optimizer, path)
             info = {**info, "partial": _keep_saved_optimizer_state(sd[opt_key], opt_key, saved_keys)}
         else:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -955,6 +1007,31 @@ def _keep_saved_optimizer_state(osd: dict[str, Any], opt_key: str, saved_keys: s
     return emptied
 
 
+def _warn_unused_masters(osd: dict[str, Any], opt_key: str, saved_keys: set[str], optimizer, path: Path) -> None:
+    """Warn when the checkpoint holds float32 master copies (:class:`rlkit.optim.MasterWeightAdamW`,
+    the default for bf16/fp16 weights) that the template's optimizer has no place for (FSDP-sharded
+    parameters, where master weights are refused: FSDP's mixed precision replaces them). DCP reads
+    only the keys the template asks for, so they were dropped without a word, and the run went on
+    from the rounded bf16 weights instead of the float32 ones it saved. ``osd``: the template's
+    optimizer state dict (DCP's FQN-keyed form)."""
+    state = osd.get("state")
+    if not isinstance(state, dict):
+        return
+    unused = [fqn for fqn, entries in state.items()
+              if "master" not in entries and f"{opt_key}.state.{fqn}.master" in saved_keys]
+    if not unused:
+        return
+    warnings.warn(
+        f"checkpoint {path}: its {opt_key} holds float32 master copies of {len(unused)} low-precision parameter(s) "
+        f"(e.g. {unused[0]}; saved with rk.optim.MasterWeightAdamW, the default for bf16/fp16 weights), but this "
+        f"state's optimizer ({type(optimizer).__name__}) keeps none (e.g. FSDP-sharded parameters, where master weights "
+        f"are refused): the float32 master copies in the checkpoint are not used, and the run continues from the "
+        f"bf16 weights (the master copies rounded), so the resume is not exact. For an exact resume, restore it with "
+        f"the layout it was saved with; on FSDP, train a float32 model with mixed_precision=True instead",
+        RuntimeWarning, stacklevel=3,
+    )
+
+
 def _last_line(exc: BaseException) -> str:
     """``Type: last line`` of an exception whose message may be a traceback (DCP puts each rank's
     there, the cause on its last line, which cutting the text at a length dropped)."""
@@ -1045,6 +1122,18 @@ class Checkpointer:
         state, history = rk.fit(state, ..., checkpointer=ckpt)
 
     A loop of your own arms the handler itself: ``with ckpt.armed(): for ...: ckpt.maybe_save(state)``.
+
+    Several processes: build the Checkpointer on every rank, with the same arguments and the same
+    shared ``directory`` (a file system that every rank sees at the same path, not each node's local
+    disk), and call :meth:`save`, :meth:`resume`, :meth:`restore` and ``rk.fit(..., checkpointer=)``
+    on every rank: they are collectives (every rank saves and loads its own shards). Building it
+    does no collective. Its first collective use compares its folder, ``every``, ``keep``,
+    ``save_ref`` and ``checksum`` across the ranks, and resume / restore compare the checkpoints
+    each rank sees, raising :class:`~rlkit.parallel.agree.RanksDisagreeError` on every rank when
+    they differ; ``rk.fit`` names a checkpointer given on some ranks only. A call made on one rank
+    only can still only wait: for the process group's timeout, after which it raises a
+    :class:`CheckpointError` saying so (or a ``RanksDisagreeError`` at once when the other ranks
+    are in another of rlkit's checks).
     """
 
     def __init__(
@@ -1080,10 +1169,16 @@ class Checkpointer:
         self._preempt_raised = False
         self._previous_handler = None
         self._installed = False
+        #: whether the ranks were found to hold the same settings (see _check_ranks_agree)
+        self._ranks_agree = False
+        # no collective here: every rank creates the folder itself and rank 0 deletes leftovers. A
+        # barrier made a Checkpointer built on rank 0 only (an "only rank 0 saves" habit) hang until
+        # the process group's timeout, then fail with a bare gloo error; that mistake is named by
+        # fit's check of its arguments, or by this Checkpointer's first collective use
+        # (_check_ranks_agree, which also waits for rank 0's cleanup before any rank lists the folder)
+        self.directory.mkdir(parents=True, exist_ok=True)
         if _rank() == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
             cleanup(self.directory)
-        _barrier()
 
     # signals ----------------------------------------------------------------------
     # The handler is installed only around the loop (armed), never at construction: a handler
@@ -1096,7 +1191,10 @@ class Checkpointer:
 
         On exit the previous handler is restored; a SIGTERM that arrived after the last
         :meth:`maybe_save` (so nothing was saved for it) is then re-sent to that handler, so it is
-        never lost. Nested use (or ``save_on_sigterm=False``, or a non-main thread) is a no-op."""
+        never lost. Nested use (or ``save_on_sigterm=False``, or a non-main thread) is a no-op, apart
+        from the ranks' agreement on this Checkpointer's settings (a collective, once: see
+        :meth:`_check_ranks_agree`), checked here so that ``rk.fit`` reports it before its first step."""
+        self._check_ranks_agree("Checkpointer (fit, or armed())")
         if not self._arm():
             yield self
             return
@@ -1173,6 +1271,51 @@ class Checkpointer:
             flag = bool(t.item())
         return flag
 
+    def _check_ranks_agree(self, what: str) -> None:
+        """Once per Checkpointer, at its first collective use on several processes: raise
+        :class:`~rlkit.parallel.agree.RanksDisagreeError` on every rank unless every rank holds a
+        Checkpointer with the same folder, ``every``, ``keep``, ``save_ref`` and ``checksum``
+        (:func:`rlkit.parallel.agree.checkpointer_settings`). A folder per rank failed the first
+        save with ``FileNotFoundError ... .distcp`` and left ``*.tmp-*`` folders behind; an ``every``
+        that differed hung (a save's collectives entered by one rank only). One small all-gather."""
+        if self._ranks_agree or _world() == 1:
+            return
+        from rlkit.parallel.agree import check_ranks_agree, checkpointer_settings
+
+        with _waiting_for_ranks(what):
+            check_ranks_agree(checkpointer_settings(self), what)
+        self._ranks_agree = True
+
+    def _agreed_checkpoints(self, what: str) -> list[tuple[int, Path]]:
+        """The complete checkpoints of the folder (:func:`list_checkpoints`), checked to be the same
+        on every rank: raises :class:`~rlkit.parallel.agree.RanksDisagreeError` on every rank
+        otherwise. Each rank decided from its own listing whether to enter the collective verify and
+        load: ranks that saw different folders (each node's local disk) ran mismatched collectives,
+        and rank 0 called a valid checkpoint corrupt while rank 1 failed with an AttributeError."""
+        if _world() == 1:
+            return list_checkpoints(self.directory)
+        from rlkit.parallel.agree import RanksDisagreeError, _by_value, _ranks_text, gather_checked
+
+        self._check_ranks_agree(what)  # (a collective: rank 0's cleanup of leftovers is over)
+        found = list_checkpoints(self.directory)
+        with _waiting_for_ranks(what):
+            everyone = gather_checked([p.name for _, p in found], what)
+        if all(names == everyone[0] for names in everyone):
+            return found
+
+        def shown(names: list[str]) -> str:
+            if not names:
+                return "none"
+            return ", ".join(names) if len(names) <= 3 else f"{len(names)} ({names[0]} ... {names[-1]})"
+
+        seen = "; ".join(f"{shown(names)} on {_ranks_text(ranks)}" for names, ranks in _by_value(everyone, list(range(_world()))))
+        raise RanksDisagreeError(
+            f"{what}: the ranks see different checkpoints in {str(self.directory)!r}: {seen}. The checkpoint folder must "
+            f"be the same shared folder on every rank (a network or shared file system that every rank sees at the same "
+            f"path, not each node's local disk): a checkpoint is saved by every rank together and each rank loads its "
+            f"shards from it. Copy the checkpoints to a shared folder and resume from there"
+        )
+
     # saving -----------------------------------------------------------------------
     def _note(self, state: TrainState, path: Path) -> None:
         self.last_saved_step = state.step
@@ -1198,6 +1341,7 @@ class Checkpointer:
         """Save now (a collective under N processes); records time and size. A checkpoint of the
         same step already there (e.g. from another run in this directory) is replaced once the
         new one is complete."""
+        self._check_ranks_agree("Checkpointer.save")
         t0 = time.perf_counter()
         path = save(state, self.directory, keep=self.keep, checksum=self.checksum, save_ref=self.save_ref)
         self.last_save_seconds = time.perf_counter() - t0
@@ -1208,6 +1352,7 @@ class Checkpointer:
     def maybe_save(self, state: TrainState) -> Path | None:
         """Call after every step: saves every ``every`` steps, and on SIGTERM saves then exits
         (a state already saved, see :meth:`saved_path`, is not saved again)."""
+        self._check_ranks_agree("Checkpointer.maybe_save")
         if self._stop_requested():
             path = self.saved_path(state) or self.save(state)
             self._preempt_raised = True
@@ -1235,9 +1380,10 @@ class Checkpointer:
     def restore(self, template: TrainState, path: str | os.PathLike | None = None) -> TrainState:
         """Load ``path`` (default: the newest complete checkpoint) into ``template``."""
         if path is None:
+            found = self._agreed_checkpoints("Checkpointer.restore")
             if not self.directory.is_dir():
                 raise CheckpointNotFoundError(f"checkpoint directory {str(self.directory)!r} does not exist; nothing to restore (use resume(state, 'auto') to start fresh)")
-            path = self.latest()
+            path = found[-1][1] if found else None
             if path is None:
                 raise CheckpointNotFoundError(f"no complete checkpoint in {str(self.directory)!r}; nothing to restore (use resume(state, 'auto') to start fresh)")
         path = resolve(path)
@@ -1265,7 +1411,9 @@ class Checkpointer:
         return self.restore(template, resolve(how))
 
     def _resume_auto(self, template: TrainState) -> TrainState:
-        found = list_checkpoints(self.directory)
+        # the same list on every rank (or RanksDisagreeError): whether to enter the collective verify
+        # and load, and which checkpoint, must not depend on what one rank's file system shows
+        found = self._agreed_checkpoints("Checkpointer.resume")
         if not found:
             return template
         skipped: list[tuple[Path, CheckpointCorruptError]] = []

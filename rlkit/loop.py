@@ -100,7 +100,7 @@ def fit(
 
     _warn_unlowered(state)
     check_fit_agrees(state, recipe, prompts, steps=steps, batch_size=batch_size, shuffle=shuffle,
-                     eval_every=eval_every, checkpointer=checkpointer is not None)
+                     eval_every=eval_every, checkpointer=checkpointer)
     if state.step < steps:
         _check_prompt_lengths(state, recipe, prompts)
     position = _data_position(state, prompts, batch_size)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import re
 from typing import Any, Mapping
 
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from rlkit.data import prompt_fingerprint
 
 __all__ = ["RanksDisagreeError", "check_ranks_agree", "check_models_agree", "check_fit_agrees", "fit_settings",
-           "lowered_group", "model_fingerprint", "placement_group"]
+           "checkpointer_settings", "gather_checked", "lowered_group", "model_fingerprint", "placement_group"]
 
 
 class RanksDisagreeError(RuntimeError):
@@ -105,6 +106,48 @@ def _ranks_text(ranks: list[int]) -> str:
 
 _MISSING = "<not given>"
 
+#: what a rank sends in :func:`gather_checked`, so that one that is in another collective is told apart
+_TAG = "rlkit.parallel.agree"
+
+
+def gather_checked(value: Any, what: str, group=None) -> list[Any]:
+    """``value`` of every rank of ``group`` (an ``all_gather_object``), after checking that every rank
+    is in this same gather: raise :class:`RanksDisagreeError` on every rank otherwise.
+
+    A call that some ranks make and the others skip (``Checkpointer.resume`` or ``save`` on rank 0
+    only, ``rk.fit`` with a checkpointer on one rank) pairs its collective with whatever collective
+    the other ranks run next: each side then read the other's data as its own (a dict of settings
+    where a checkpoint list was expected) and failed with an ``AttributeError``, or called a valid
+    checkpoint corrupt. Each value travels tagged with ``what``, so such a pairing is named instead
+    (as long as the other side is a gather like this one; another kind of collective can only hang
+    until the process group's timeout)."""
+    size = _size(group)
+    everyone: list[Any] = [None] * size
+    dist.all_gather_object(everyone, (_TAG, what, value), group=group)
+    ranks = _global_ranks(group, size)
+    tagged = [isinstance(x, tuple) and len(x) == 3 and x[0] == _TAG for x in everyone]
+    if all(tagged) and all(x[1] == what for x in everyone):
+        return [x[2] for x in everyone]
+    places = [x[1] if ok else "another collective" for x, ok in zip(everyone, tagged)]
+    shown = ", ".join(f"{_ranks_text(holders)} in {place}" for place, holders in _by_value(places, ranks))
+    raise RanksDisagreeError(
+        f"{what}: the ranks are not in the same call: {shown}. Every rank must make the same collective calls in the "
+        "same order: a call made on some ranks only (e.g. Checkpointer.save or resume under `if rank == 0`, or a "
+        "Checkpointer built and passed to fit on one rank only) pairs with another collective on the others. Call it "
+        "on every rank (rlkit's checkpoints are saved and loaded by all ranks together, each writing its own shards)"
+    )
+
+
+#: what to do about a setting that differs, by the key (or the key's first part, before a dot)
+_HINTS = {
+    "checkpointer": (
+        "Build the Checkpointer on every rank with the same arguments and pass it to fit on every rank (every rank "
+        "saves its own shards, so a save on rank 0 only hangs), and give every rank the same shared folder: one "
+        "network or shared file system that every rank sees at the same path, not each node's local disk or a "
+        "folder per rank"
+    ),
+}
+
 
 def check_ranks_agree(settings: Mapping[str, Any], what: str, group=None) -> None:
     """Raise :class:`RanksDisagreeError` on every rank of ``group`` (default: all ranks) unless
@@ -113,30 +156,55 @@ def check_ranks_agree(settings: Mapping[str, Any], what: str, group=None) -> Non
     ``settings``: a small dict of ints, floats, strings, ``None``, tuples or dicts of those (other
     values are compared by their repr, without memory addresses). ``what``: what the settings are
     for, the start of the message (e.g. ``"fit"``). One ``all_gather_object`` of the dict; every
-    rank of ``group`` must call it (it is a collective)."""
+    rank of ``group`` must call it (it is a collective; a rank found in another gather is named,
+    see :func:`gather_checked`)."""
     if not _distributed():
         return
     size = _size(group)
     if size == 1:
         return
     mine = {str(k): _plain(v) for k, v in settings.items()}
-    everyone: list[Any] = [None] * size
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = gather_checked(mine, what, group)
     ranks = _global_ranks(group, size)
     keys: list[str] = []
     for theirs in everyone:
         keys.extend(k for k in theirs if k not in keys)
-    parts = []
+    parts, hints = [], []
     for key in keys:
         groups = _by_value([theirs.get(key, _MISSING) for theirs in everyone], ranks)
         if len(groups) > 1:
             parts.append(f"{key}: " + ", ".join(f"{_show(value)} on {_ranks_text(holders)}" for value, holders in groups))
+            hint = _HINTS.get(key.split(".")[0])
+            if hint is not None and hint not in hints:
+                hints.append(hint)
     if parts:
         raise RanksDisagreeError(
             f"{what}: the ranks disagree on {len(parts)} setting(s): " + "; ".join(parts) + ". Every rank must run the "
             "same code with the same settings (a value computed from RANK, or an argument or config file given to one "
-            "rank only, trains each rank differently or hangs in a collective)"
+            "rank only, trains each rank differently or hangs in a collective)" + "".join(f". {h}" for h in hints)
         )
+
+
+def checkpointer_settings(checkpointer: Any) -> dict[str, Any]:
+    """The settings of a checkpointer that every rank must share, as :func:`check_ranks_agree` keys:
+    ``{"checkpointer": given?, "checkpointer.directory": absolute path, "checkpointer.every": ...,
+    "checkpointer.keep", "checkpointer.save_ref", "checkpointer.checksum"}`` (those it has).
+
+    A folder per rank made the first save fail with ``FileNotFoundError ... .distcp`` (rank 0 creates
+    the save's folder, the others write their shards into it) and leave ``*.tmp-*`` folders behind;
+    an ``every`` that differs hung (one rank entered the save's collectives alone); ``save_ref``
+    that differs saves different tensors per rank. ``True``/``False``/``None`` (whether one was
+    given, as ``rk.fit`` used to pass) give ``{"checkpointer": bool}``."""
+    if checkpointer is None or isinstance(checkpointer, bool):
+        return {"checkpointer": bool(checkpointer)}
+    out: dict[str, Any] = {"checkpointer": True}
+    directory = getattr(checkpointer, "directory", None)
+    if isinstance(directory, (str, os.PathLike)):
+        out["checkpointer.directory"] = os.path.abspath(os.fspath(directory))
+    for name in ("every", "keep", "save_ref", "checksum"):
+        if hasattr(checkpointer, name):
+            out[f"checkpointer.{name}"] = getattr(checkpointer, name)
+    return out
 
 
 # --------------------------------------------------------------------------- models
@@ -248,9 +316,7 @@ def check_models_agree(models: Mapping[str, torch.nn.Module | None], what: str =
     size = _size(group)
     if size == 1:
         return
-    mine = model_fingerprint(models)
-    everyone: list[Any] = [None] * size
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = gather_checked(model_fingerprint(models), what, group)
     ranks = _global_ranks(group, size)
     problem = _first_difference(everyone, ranks)
     if problem is not None:
@@ -340,7 +406,9 @@ def _recipe_settings(recipe) -> dict[str, Any]:
 def fit_settings(state, recipe, prompts, *, steps: int, batch_size: int, **more: Any) -> dict[str, Any]:
     """The settings of an ``rk.fit`` call that every rank must share: ``steps``, ``batch_size``,
     the recipe's fields, the optimizer's settings and current lr, the state's seed, step and data
-    position, and the prompt set's size and a checksum of some of its rows; ``more`` added as given."""
+    position, and the prompt set's size and a checksum of some of its rows; ``more`` added as given,
+    except ``checkpointer``: the checkpointer (or whether one was given), expanded by
+    :func:`checkpointer_settings` (its folder, ``every``, ...)."""
     out: dict[str, Any] = {"steps": steps, "batch_size": batch_size}
     out.update(_recipe_settings(recipe))
     spec = getattr(state, "optimizer_spec", None)
@@ -359,6 +427,9 @@ def fit_settings(state, recipe, prompts, *, steps: int, batch_size: int, **more:
             pass
     out["prompts.count"] = len(prompts) if hasattr(prompts, "__len__") else None
     out["prompts.checksum"] = prompt_fingerprint(prompts)
+    if "checkpointer" in more:
+        more = dict(more)
+        out.update(checkpointer_settings(more.pop("checkpointer")))
     out.update(more)
     return out
 
