@@ -30,8 +30,12 @@ def test_every_recipe_takes_a_step():
         recipe = rk.recipes.get(name).with_(n=4, max_new_tokens=4)
         critic = rk.models.critic(model) if recipe.needs_critic() else None
         state = rk.init(model, rk.optim.adamw(lr=1e-3), tokenizer=task.tokenizer, critic=critic)
-        state, metrics = recipe.step(state, task.train.batch_at(0, 4), task.reward)
+        # rewards that differ within every group: a random model never answers right, and DAPO skips
+        # the update of a step whose groups all agree (nothing to learn)
+        varied = lambda completions, **_: [float(i % 2) for i in range(len(completions))]  # noqa: E731
+        state, metrics = recipe.step(state, task.train.batch_at(0, 4), varied)
         assert state.step == 1 and torch.isfinite(torch.tensor(metrics["actor/pg_loss"])), name
+        assert metrics["actor/grad_norm"] > 0, name
         if name == "ppo":
             assert "critic/vf_loss" in metrics
 
