@@ -21,6 +21,30 @@ def tiny_model(char_tok):
     return tiny(char_tok, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, seed=0)
 
 
+@pytest.fixture(scope="module")
+def task(request):
+    """A 2-digit arithmetic task with 8 test prompts, built once per module. A module sets the size
+    of the training split with ``TASK_N_TRAIN = ...`` (default 64); a module that defines its own
+    ``task`` fixture uses that one instead."""
+    import rlkit as rk
+
+    return rk.tasks.arithmetic(digits=2, n_train=getattr(request.module, "TASK_N_TRAIN", 64), n_test=8)
+
+
+@pytest.fixture
+def fresh_state(task):
+    """``fresh_state()``: a new TrainState for ``task`` (a 32-wide tiny model with seed 0, AdamW at
+    lr 3e-4), a fresh one on every call."""
+    import rlkit as rk
+
+    def build():
+        model = rk.models.tiny(task.tokenizer, seed=0, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                               num_key_value_heads=1)
+        return rk.init(model, rk.optim.adamw(lr=3e-4), tokenizer=task.tokenizer)
+
+    return build
+
+
 def _child_env(nproc: int = 1) -> dict[str, str]:
     """Environment for a test's child processes: one intra-op thread each, and, when this machine
     has fewer GPUs than the ``nproc`` processes the test starts, ``RLKIT_DEVICE=cpu`` so that their

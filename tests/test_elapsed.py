@@ -11,15 +11,7 @@ from rlkit.checkpoint import Checkpointer
 from rlkit.loop import ELAPSED_KEY
 
 
-@pytest.fixture(scope="module")
-def task():
-    return rk.tasks.arithmetic(digits=2, n_train=32, n_test=8)
-
-
-def _fresh(task):
-    model = rk.models.tiny(task.tokenizer, seed=0, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                           num_key_value_heads=1)
-    return rk.init(model, rk.optim.adamw(lr=3e-4), tokenizer=task.tokenizer)
+TASK_N_TRAIN = 32  # the size of the training split of conftest's ``task``
 
 
 def _fit(state, task, steps, **kw):
@@ -27,8 +19,8 @@ def _fit(state, task, steps, **kw):
                   batch_size=2, **kw)
 
 
-def test_elapsed_goes_on_across_fit_calls_and_skips_the_idle_time_between(task):
-    state, first = _fit(_fresh(task), task, 2)
+def test_elapsed_goes_on_across_fit_calls_and_skips_the_idle_time_between(task, fresh_state):
+    state, first = _fit(fresh_state(), task, 2)
     assert state.extras[ELAPSED_KEY] == first[-1]["time/elapsed_s"]
     time.sleep(0.3)  # idle in the notebook: not training time
     state, second = _fit(state, task, 4)
@@ -41,24 +33,24 @@ def test_elapsed_goes_on_across_fit_calls_and_skips_the_idle_time_between(task):
     assert second[0]["time/elapsed_s"] > second[0]["time/step_s"]
 
 
-def test_a_resumed_run_continues_the_checkpointed_clock(task, tmp_path):
+def test_a_resumed_run_continues_the_checkpointed_clock(task, fresh_state, tmp_path):
     saver = Checkpointer(tmp_path, every=2, save_on_sigterm=False)
-    _, history = _fit(_fresh(task), task, 2, checkpointer=saver)
-    resumed = saver.restore(_fresh(task))
+    _, history = _fit(fresh_state(), task, 2, checkpointer=saver)
+    resumed = saver.restore(fresh_state())
     assert resumed.extras[ELAPSED_KEY] == pytest.approx(history[-1]["time/elapsed_s"])
     _, more = _fit(resumed, task, 3)
     assert more[0]["time/elapsed_s"] > history[-1]["time/elapsed_s"]
 
 
-def test_a_fresh_run_at_step_0_starts_at_zero_even_with_copied_extras(task):
+def test_a_fresh_run_at_step_0_starts_at_zero_even_with_copied_extras(task, fresh_state):
     """A state at step 0 carrying another run's extras (copied in by hand) is a new run: its clock
     starts at zero. A bad stored value (not a number, negative) is ignored the same way."""
     for stale in (1e6, -3.0, "soon"):
-        state = _fresh(task)
+        state = fresh_state()
         state = state.replace(extras={**state.extras, ELAPSED_KEY: stale})
         _, history = _fit(state, task, 1)
         assert history[0]["time/elapsed_s"] == pytest.approx(history[0]["time/step_s"], abs=0.25)
-    state, _ = _fit(_fresh(task), task, 1)
+    state, _ = _fit(fresh_state(), task, 1)
     state = state.replace(extras={**state.extras, ELAPSED_KEY: "soon"})  # past step 0, unreadable: from zero
     _, history = _fit(state, task, 2)
     assert history[0]["time/elapsed_s"] == pytest.approx(history[0]["time/step_s"], abs=0.25)

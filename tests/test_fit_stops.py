@@ -8,18 +8,10 @@ import rlkit as rk
 from rlkit.state import DonatedStateError
 
 
-@pytest.fixture(scope="module")
-def task():
-    return rk.tasks.arithmetic(digits=2, n_train=64, n_test=8)
+TASK_N_TRAIN = 64  # the size of the training split of conftest's ``task``
 
 
-def _fresh(task):
-    model = rk.models.tiny(task.tokenizer, seed=0, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                           num_key_value_heads=1)
-    return rk.init(model, rk.optim.adamw(lr=3e-4), tokenizer=task.tokenizer)
-
-
-def test_a_step_whose_evaluation_is_interrupted_keeps_its_metrics(task):
+def test_a_step_whose_evaluation_is_interrupted_keeps_its_metrics(task, fresh_state):
     """Ctrl-C in eval_fn at step 2: exc.state was at step 2 but exc.history and the sinks ended at
     step 1, and a fit continued from exc.state began at 3: step 2 was logged nowhere."""
     sink = rk.observe.ListSink()
@@ -30,7 +22,7 @@ def test_a_step_whose_evaluation_is_interrupted_keeps_its_metrics(task):
         return {"accuracy": 0.5}
 
     with pytest.raises(KeyboardInterrupt) as info:
-        rk.fit(_fresh(task), "grpo", task.reward, task.train, steps=3, batch_size=2, sinks=[sink], eval_fn=eval_fn,
+        rk.fit(fresh_state(), "grpo", task.reward, task.train, steps=3, batch_size=2, sinks=[sink], eval_fn=eval_fn,
                eval_every=1)
     assert info.value.state.step == 2
     assert len(info.value.history) == 2
@@ -38,7 +30,7 @@ def test_a_step_whose_evaluation_is_interrupted_keeps_its_metrics(task):
     assert [row["step"] for row in sink.history] == [1, 2]
 
 
-def test_running_the_cell_again_points_at_the_runs_latest_state(task):
+def test_running_the_cell_again_points_at_the_runs_latest_state(task, fresh_state):
     calls = {"n": 0}
 
     def flaky(completions, **kw):
@@ -47,7 +39,7 @@ def test_running_the_cell_again_points_at_the_runs_latest_state(task):
             raise ValueError("reward server timed out")
         return task.reward(completions, **kw)
 
-    state = _fresh(task)
+    state = fresh_state()
     with pytest.raises(Exception) as first:
         rk.fit(state, "grpo", flaky, task.train, steps=4, batch_size=2)
     latest = first.value.state
@@ -67,8 +59,8 @@ def test_running_the_cell_again_points_at_the_runs_latest_state(task):
     assert "passed to rk.fit" not in str(stale.value)
 
 
-def test_a_donated_state_has_a_repr(task):
-    state = _fresh(task)
+def test_a_donated_state_has_a_repr(task, fresh_state):
+    state = fresh_state()
     assert repr(state).startswith("TrainState(actor=")
     batch = rk.advantage(rk.score(rk.rollout(state, task.train.take(range(2)), n=2, max_new_tokens=2), task.reward), "grpo")
     new, _ = rk.update(state, batch, max_logprob_gap=None)
@@ -77,7 +69,7 @@ def test_a_donated_state_has_a_repr(task):
     assert repr(new).startswith("TrainState(actor=")
 
 
-def test_a_sink_interrupted_at_a_step_does_not_keep_the_step_from_the_others(task):
+def test_a_sink_interrupted_at_a_step_does_not_keep_the_step_from_the_others(task, fresh_state):
     """Ctrl-C inside an earlier sink (the Dashboard's redraw) left the later sinks without the step."""
     class Slow:
         def on_step(self, step, metrics):
@@ -86,6 +78,6 @@ def test_a_sink_interrupted_at_a_step_does_not_keep_the_step_from_the_others(tas
 
     later = rk.observe.ListSink()
     with pytest.raises(KeyboardInterrupt) as info:
-        rk.fit(_fresh(task), "grpo", task.reward, task.train, steps=3, batch_size=2, sinks=[Slow(), later])
+        rk.fit(fresh_state(), "grpo", task.reward, task.train, steps=3, batch_size=2, sinks=[Slow(), later])
     assert info.value.state.step == 2
     assert [row["step"] for row in later.history] == [1, 2]

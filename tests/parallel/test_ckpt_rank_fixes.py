@@ -19,17 +19,11 @@ import os
 
 import pytest
 
+from _workers import disagreement, join, tiny_recipe, tiny_state, tiny_task
+
 pytestmark = pytest.mark.distributed
 
 TIMEOUT = 30  # seconds for a collective (a scenario that hangs fails instead)
-
-
-def _model(task, dtype=None):
-    import rlkit as rk
-
-    kw = {} if dtype is None else {"dtype": dtype}
-    return rk.models.tiny(task.tokenizer, seed=0, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1, **kw)
 
 
 def _job(base: str, bf16_dir: str) -> dict:
@@ -42,23 +36,14 @@ def _job(base: str, bf16_dir: str) -> dict:
     from rlkit import parallel as par
     from rlkit.checkpoint import Checkpointer
 
-    info = par.init_distributed("gloo", timeout=TIMEOUT)
-    rank = info.rank
-    out: dict = {"rank": rank}
+    rank, out, attempt = join("gloo", timeout=TIMEOUT)
     warnings.simplefilter("ignore")
 
-    def attempt(name, fn):
-        try:
-            out[name] = fn()
-        except Exception as e:  # noqa: BLE001 - recorded for the tests
-            out[name] = f"{type(e).__name__}: {e}"
-
-    task = rk.tasks.arithmetic(n_train=16, n_test=4)
-    recipe = rk.recipes.get("grpo").with_(n=2, max_new_tokens=2)
-    plan = rk.Pipeline(recipe, reward=task.reward).lower()
+    task = tiny_task()
+    plan = rk.Pipeline(tiny_recipe(), reward=task.reward).lower()
 
     def lowered(dtype=None):
-        return plan.shard(rk.init(_model(task, dtype), rk.optim.adamw(lr=1e-2), tokenizer=task.tokenizer))
+        return plan.shard(tiny_state(task, dtype=dtype))
 
     def fit(ck, steps=1):
         state, _ = plan.fit(lowered(), task.train, steps=steps, batch_size=2, checkpointer=ck)
@@ -159,22 +144,15 @@ def ranks(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("ckpt_ranks")
     # a one-process bf16 checkpoint with float32 master copies (MasterWeightAdamW, the bf16 default)
-    task = rk.tasks.arithmetic(n_train=16, n_test=4)
-    recipe = rk.recipes.get("grpo").with_(n=2, max_new_tokens=2)
-    state = rk.init(_model(task, torch.bfloat16), rk.optim.adamw(lr=1e-2), tokenizer=task.tokenizer)
+    task = tiny_task()
+    state = tiny_state(task, dtype=torch.bfloat16)
     assert type(state.optimizer).__name__ == "MasterWeightAdamW"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        state, _ = rk.fit(state, recipe, task.reward, task.train, steps=1, batch_size=2)
+        state, _ = rk.fit(state, tiny_recipe(), task.reward, task.train, steps=1, batch_size=2)
     bf16_dir = base / "bf16"
     save(state, bf16_dir)
     return run_local(_job, 2, str(base), str(bf16_dir), timeout=400)
-
-
-def _disagree(result: dict, name: str) -> str:
-    message = result[name]
-    assert isinstance(message, str) and message.startswith("RanksDisagreeError"), f"rank {result['rank']}: {name} -> {message!r}"
-    return message
 
 
 def test_the_same_shared_folder_saves_and_resumes_on_every_rank(ranks):
@@ -184,27 +162,27 @@ def test_the_same_shared_folder_saves_and_resumes_on_every_rank(ranks):
 
 def test_ranks_that_see_different_checkpoints_raise_on_every_rank(ranks):
     for r in ranks:
-        message = _disagree(r, "listing_differs")
+        message = disagreement(r, "listing_differs")
         assert "see different checkpoints" in message and "step_000001 on rank 0; none on rank 1" in message
         assert "same shared folder on every rank" in message
 
 
 def test_a_resume_folder_per_rank_is_named(ranks):
     for r in ranks:
-        message = _disagree(r, "resume_folder_per_rank")
+        message = disagreement(r, "resume_folder_per_rank")
         assert "checkpointer.directory" in message and "on rank 0" in message and "on rank 1" in message
         assert "same shared folder" in message
 
 
 def test_every_that_differs_between_ranks_is_named_instead_of_hanging(ranks):
     for r in ranks:
-        message = _disagree(r, "every")
+        message = disagreement(r, "every")
         assert "checkpointer.every: 1 on rank 0, 2 on rank 1" in message
 
 
 def test_a_fit_folder_per_rank_is_named_before_any_save(ranks):
     for r in ranks:
-        message = _disagree(r, "fit_folder_per_rank")
+        message = disagreement(r, "fit_folder_per_rank")
         assert "checkpointer.directory" in message and "same shared folder" in message
     assert not [n for n in ranks[0]["left_over"] if ".tmp-" in n or n.startswith("step_")], ranks[0]["left_over"]
 
@@ -232,7 +210,7 @@ def test_a_bf16_checkpoints_master_copies_unused_under_fsdp_warn(ranks):
 
 def test_resume_on_rank_0_only_is_named_on_every_rank(ranks):
     for r in ranks:
-        message = _disagree(r, "resume_on_rank0_only")
+        message = disagreement(r, "resume_on_rank0_only")
         assert "the ranks are not in the same call" in message
         assert "rank 0 in Checkpointer.resume" in message and "rank 1 in fit" in message
 

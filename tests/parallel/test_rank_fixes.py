@@ -25,14 +25,9 @@ import time
 
 import pytest
 
+from _workers import disagreement, join, tiny_model, tiny_recipe, tiny_state, tiny_task
+
 pytestmark = pytest.mark.distributed
-
-
-def _model(task, seed: int = 0):
-    import rlkit as rk
-
-    return rk.models.tiny(task.tokenizer, seed=seed, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1)
 
 
 def _agreement_job() -> dict:
@@ -44,16 +39,7 @@ def _agreement_job() -> dict:
     import rlkit as rk
     from rlkit import parallel as par
 
-    info = par.init_distributed(timeout=60)
-    rank = info.rank
-    out: dict = {"rank": rank}
-
-    def attempt(name, fn):
-        try:
-            result = fn()
-            out[name] = None if result is None else result
-        except Exception as e:  # noqa: BLE001 - recorded for the tests
-            out[name] = f"{type(e).__name__}: {e}"
+    rank, out, attempt = join(timeout=60)
 
     def settings(**kw):
         from rlkit.parallel import check_ranks_agree
@@ -64,11 +50,11 @@ def _agreement_job() -> dict:
     attempt("batch_size", lambda: settings(batch_size=4 if rank == 0 else 6, steps=2, lr=1e-2))
     attempt("steps", lambda: settings(batch_size=4, steps=2 if rank == 0 else 3, lr=1e-2))
 
-    task = rk.tasks.arithmetic(n_train=16, n_test=4)
-    recipe = rk.recipes.get("grpo").with_(n=2, max_new_tokens=2)
+    task = tiny_task()
+    recipe = tiny_recipe()
 
     def lowered(seed=0, lr=1e-2):
-        state = rk.init(_model(task, seed), rk.optim.adamw(lr=lr), tokenizer=task.tokenizer)
+        state = tiny_state(task, seed, lr=lr)
         plan = rk.Pipeline(recipe, reward=task.reward).lower()
         return plan, plan.shard(state)
 
@@ -89,7 +75,7 @@ def _agreement_job() -> dict:
     def load_keeps_sd():
         from rlkit.models.logprobs import LogprobModule
 
-        m = par.shard_model(LogprobModule(_model(task)), par.device_mesh(), gradient_reduction="sum")
+        m = par.shard_model(LogprobModule(tiny_model(task)), par.device_mesh(), gradient_reduction="sum")
         sd = par.full_state_dict(m)  # full CPU tensors on rank 0, {} elsewhere
         before = {k: (v, tuple(v.shape), v.clone()) for k, v in sd.items()}
         par.load_full_state_dict(m, sd)
@@ -116,12 +102,6 @@ def ranks():
     return run_local(_agreement_job, 2, timeout=150)
 
 
-def _error(result: dict, name: str) -> str:
-    message = result[name]
-    assert isinstance(message, str) and message.startswith("RanksDisagreeError"), f"rank {result['rank']}: {name} -> {message!r}"
-    return message
-
-
 def test_equal_settings_and_models_pass(ranks):
     for r in ranks:
         assert r["same_settings"] is None and r["fit_same"] is None and r["shard_same_seed"] is None, r
@@ -129,27 +109,27 @@ def test_equal_settings_and_models_pass(ranks):
 
 def test_a_batch_size_that_differs_on_one_rank_is_named_on_every_rank(ranks):
     for r in ranks:
-        message = _error(r, "batch_size")
+        message = disagreement(r, "batch_size")
         assert "fit:" in message and "batch_size: 4 on rank 0, 6 on rank 1" in message
         assert "steps" not in message.split(". Every rank")[0]  # only what differs
-        assert "batch_size: 4 on rank 0, 6 on rank 1" in _error(r, "fit_batch_size")
+        assert "batch_size: 4 on rank 0, 6 on rank 1" in disagreement(r, "fit_batch_size")
 
 
 def test_steps_that_differ_on_one_rank_raise_instead_of_hanging(ranks):
     for r in ranks:
-        assert "steps: 2 on rank 0, 3 on rank 1" in _error(r, "steps")
-        assert "steps: 2 on rank 0, 3 on rank 1" in _error(r, "fit_steps")
+        assert "steps: 2 on rank 0, 3 on rank 1" in disagreement(r, "steps")
+        assert "steps: 2 on rank 0, 3 on rank 1" in disagreement(r, "fit_steps")
 
 
 def test_an_lr_that_differs_on_one_rank_is_named(ranks):
     for r in ranks:
-        message = _error(r, "fit_lr")
+        message = disagreement(r, "fit_lr")
         assert "optimizer.lr: 0.01 on rank 0, 1.0 on rank 1" in message
 
 
 def test_plan_shard_refuses_models_built_with_another_seed_per_rank(ranks):
     for r in ranks:
-        message = _error(r, "shard_seed")
+        message = disagreement(r, "shard_seed")
         assert message.startswith("RanksDisagreeError: Plan.shard: the ranks do not hold the same model")
         assert "'actor.model.embed_tokens.weight'" in message  # the first parameter, named
         assert "on rank 0" in message and "on rank 1" in message
