@@ -11,6 +11,10 @@ From Python or a notebook::
 
     result = rlkit.launch(train, 100, nproc_per_node=2, on_metrics=lambda rank, m: print(rank, m))
 
+Or the notebook's own plan and state, trained on the workers and brought back (:mod:`rlkit.launch_fit`)::
+
+    state, history = rlkit.launch(plan, state, task.train, steps=100, batch_size=16, nproc_per_node=2)
+
 ``fn`` is shipped to the workers with cloudpickle through a module-level trampoline, so
 functions and closures defined in a notebook's ``__main__`` work; workers start with the
 ``spawn`` method (safe inside Jupyter). Names the caller registered (an advantage estimator or
@@ -442,23 +446,12 @@ def _read_errors(run_dir: str) -> dict[int, tuple[float, str]]:
     return out
 
 
-def _refuse_pipeline(fn: Any) -> None:
-    """A :class:`rlkit.Pipeline` is callable (one training step, ``pipe(state, prompts)``), so
-    ``rk.launch(pipe)`` passed the callable check and every worker failed with "Pipeline.__call__()
-    missing 2 required positional arguments"; a lowered ``Plan`` is not a function either."""
-    pipeline = sys.modules.get("rlkit.pipeline")  # loaded wherever a Pipeline or Plan exists
-    if pipeline is None:
-        return
-    for cls, what in ((pipeline.Pipeline, "an rk.Pipeline"), (pipeline.Plan, "a Plan (a lowered rk.Pipeline)")):
-        if isinstance(fn, cls):
-            raise TypeError(
-                f"launch: fn is {what}, not a training function: launch runs fn(*args, **kwargs) in every "
-                "worker and has no state or prompts to give a pipeline. Pass a function that builds the state, lowers "
-                "the pipeline and trains, e.g. def train(steps): init_distributed(); state = rk.init(...); "
-                "plan = pipe.lower(); state = plan.shard(state); state, history = plan.fit(state, prompts, steps=steps, "
-                "batch_size=...); return history[-1]; then rk.launch(train, 100, nproc_per_node=2) "
-                "(tutorials/distributed.md, section 0)"
-            )
+def _launched_plan(fn: Any):
+    """A :class:`rlkit.Pipeline` or a ``Plan`` given as ``fn`` (``rk.launch(plan, state, prompts, ...)``,
+    :mod:`rlkit.launch_fit`), else None. Both are looked up only when rlkit.pipeline is loaded
+    (wherever a Pipeline or Plan exists)."""
+    pipeline = sys.modules.get("rlkit.pipeline")
+    return fn if pipeline is not None and isinstance(fn, (pipeline.Pipeline, pipeline.Plan)) else None
 
 
 def launch(
@@ -496,8 +489,13 @@ def launch(
     ``sys.exit(0)`` instead of returning (it leaves no result), and, with ``max_restarts=0``, one
     whose process ends inside ``fn`` without an exception (``os._exit(0)``), a few seconds after
     (torch elastic alone would wait for its result forever; with restarts it still does). Arguments of the wrong type or
-    range raise ``ValueError`` naming them before any process starts; a :class:`rlkit.Pipeline` or
-    ``Plan`` as ``fn`` raises ``TypeError`` (pass a function that builds the state and trains).
+    range raise ``ValueError`` naming them before any process starts.
+
+    ``launch(plan, state, prompts, steps=..., batch_size=..., **options)`` with a lowered ``Plan``
+    (or an :class:`rlkit.Pipeline`) runs ``plan.fit`` on the workers and returns ``(state, history)``:
+    the caller's state loaded with the trained one, and rank 0's history; ``plan.fit``'s keywords
+    (``sinks`` called here as the workers log each step, ``eval_fn``, ``eval_every``,
+    ``checkpointer``, ``shuffle``) go with it. See :mod:`rlkit.launch_fit`.
 
     Entries registered in this process by code outside rlkit (``rk.algos.ADVANTAGE_ESTIMATORS.register
     ("median")(fn)`` in a notebook, ``override=True`` replacements of built-ins, entries added to
@@ -510,8 +508,7 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    _refuse_pipeline(fn)
-    if not callable(fn):
+    if _launched_plan(fn) is None and not callable(fn):
         raise TypeError(f"launch: fn must be a callable, got {type(fn).__name__}")
     _check_launch_args(nproc_per_node, nnodes, rdzv_endpoint, rdzv_backend, max_restarts, on_metrics, run_dir, run_id)
     min_nodes, max_nodes = _parse_nnodes(nnodes)
@@ -520,6 +517,12 @@ def launch(
             f"launch: nnodes={nnodes} needs rdzv_endpoint='HOST:PORT' (a reachable address of one of the machines, "
             "the same on all of them)"
         )
+    if _launched_plan(fn) is not None:
+        from rlkit.launch_fit import launch_fit
+
+        return launch_fit(fn, args, kwargs, dict(nproc_per_node=nproc_per_node, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
+                                                 rdzv_backend=rdzv_backend, max_restarts=max_restarts, on_metrics=on_metrics,
+                                                 run_dir=run_dir, run_id=run_id, echo_logs=echo_logs))
     run_dir = os.path.abspath(run_dir or tempfile.mkdtemp(prefix="rlkit_run_"))
     try:
         for sub in ("metrics", "errors", "logs", "workers"):

@@ -1,0 +1,233 @@
+"""``rk.launch(plan, state, prompts, steps=..., batch_size=...)``: the notebook's pipeline on N processes.
+
+The same lines that train in a notebook cell::
+
+    plan = rk.Pipeline(recipe, reward=task.reward).lower()
+    state, history = plan.fit(state, task.train, steps=100, batch_size=16)
+
+run on N processes by naming the plan (or the pipeline) in ``rk.launch`` instead::
+
+    state, history = rk.launch(plan, state, task.train, steps=100, batch_size=16, nproc_per_node=2)
+
+What happens: the state (its models, optimizers and their moments, schedulers, step, seed and
+extras) is written once to the run directory; each worker joins the process group, loads it,
+lowers the pipeline again on all ranks with the plan's own options (``tp``, ``mixed_precision``,
+``grad_reduce``, ...), shards the state (FSDP2 actor, engine in the generation layout) and runs
+:meth:`rlkit.pipeline.Plan.fit`. At the end the workers save the trained state together
+(torch.distributed.checkpoint) and the caller loads it into its own state, which it returns: the
+notebook goes on with the trained models, optimizer moments and schedule, exactly where the
+workers left them. Rank 0's history is returned with it, and every step's metrics stream to the
+caller's ``sinks`` as the workers log them (live plots in a notebook).
+
+The state passed in is donated only when the launch succeeds (as ``fit`` donates it); when a
+worker fails, it is untouched and the :class:`rlkit.launch.WorkerError` is raised: pass a
+``checkpointer=`` (a folder every worker can reach) to keep the workers' progress.
+
+Why a file and a checkpoint rather than pickled arguments: torch elastic hands ``fn``'s arguments
+to every worker through a pipe, a copy per worker in memory, while ``torch.load(mmap=True)`` maps
+one file; and the trained state leaves FSDP2 shards on every rank, which the distributed
+checkpoint gathers without any rank holding the whole optimizer state twice.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from typing import Any
+
+#: the run directory's subfolders for the state that goes in and the state that comes out
+STATE_FILE = "state.pt"
+RESULT_DIR = "result"
+
+#: fit's keyword arguments that ``rk.launch(plan, ...)`` passes through to the workers
+FIT_KEYWORDS = ("sinks", "eval_fn", "eval_every", "checkpointer", "shuffle")
+
+#: what ``emit`` wrote for values JSON has no number for (see ``rlkit.launch._jsonable``)
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def lowering_options(plan) -> dict[str, Any]:
+    """The keyword arguments of :meth:`rlkit.Pipeline.lower` that made ``plan`` (all but the placement)."""
+    from rlkit.pipeline import Pipeline
+
+    names = [n for n in inspect.signature(Pipeline.lower).parameters if n not in ("self", "placement")]
+    return {name: getattr(plan, name) for name in names}
+
+
+def _checked(target, args: tuple, kwargs: dict, nnodes, run_dir):
+    """``(pipeline, options, state, prompts, fit_kwargs)`` from ``rk.launch(plan, ...)``'s arguments,
+    each wrong one named before any process starts."""
+    from rlkit.loop import _check_prompt_lengths, fit
+    from rlkit.pipeline import Plan
+    from rlkit.state import TrainState
+
+    if isinstance(target, Plan):
+        if not target.is_local:
+            raise ValueError(
+                "launch: this Plan was lowered onto a torch.distributed placement of this process; launch lowers the "
+                "pipeline again in its workers, on their own ranks, so give it a plan lowered in the notebook "
+                "(pipe.lower(), placement None) or the Pipeline itself")
+        pipeline, options = target.pipeline, lowering_options(target)
+    else:
+        pipeline, options = target, {}
+    if len(args) != 2:
+        raise TypeError(
+            f"launch: a {type(target).__name__} is launched as rk.launch(plan, state, prompts, steps=..., batch_size=..., "
+            f"nproc_per_node=...): after the plan come exactly the state and the prompts, got {len(args)} positional "
+            "argument(s)")
+    state, prompts = args
+    if not isinstance(state, TrainState):
+        raise TypeError(f"launch: the state after the plan must be a TrainState (from rk.init), got {type(state).__name__}")
+    state._check()  # a donated handle is named here, not in every worker
+    if "dp" in state._cache or "split" in state._cache:
+        raise ValueError("launch: this state is sharded already (plan.shard ran on it on several processes); give the "
+                         "state from rk.init or a checkpoint: each worker shards its own copy")
+    missing = [name for name in ("steps", "batch_size") if name not in kwargs]
+    unknown = sorted(set(kwargs) - {"steps", "batch_size", *FIT_KEYWORDS})
+    if missing or unknown:
+        said = ([f"it needs {' and '.join(missing)} (as plan.fit does)"] if missing else []) + (
+            [f"{', '.join(map(repr, unknown))} is not an argument of plan.fit (it takes steps, batch_size, "
+             f"{', '.join(FIT_KEYWORDS)})"] if unknown else [])
+        raise TypeError("launch: with a plan, the keywords go to plan.fit: " + "; ".join(said))
+    # the same checks fit makes before its first step, here and not after N workers have started
+    inspect.signature(fit).bind(state, pipeline.step, pipeline.reward, prompts, **kwargs)
+    if not hasattr(prompts, "batch_at"):
+        from rlkit.data import load_prompts
+
+        if state.tokenizer is None:
+            raise TypeError(f"launch: prompts is a {type(prompts).__name__} and the state has no tokenizer to read it "
+                            "with; pass rk.load_prompts(prompts, tokenizer), or rk.init(..., tokenizer=...)")
+        prompts = load_prompts(prompts, state.tokenizer)  # read once here, not once per worker
+    from rlkit._checks import int_at_least
+
+    int_at_least(kwargs["steps"], "launch: steps", 0, " (the step count to reach)")
+    int_at_least(kwargs["batch_size"], "launch: batch_size", 1, " (prompts per step)")
+    if kwargs["steps"] < state.step:
+        raise ValueError(f"launch: steps={kwargs['steps']} is below the state's step {state.step}; the run is already past it")
+    if state.step < kwargs["steps"]:
+        _check_prompt_lengths(state, pipeline.step, prompts)
+    if nnodes not in (1, "1", "1:1") and run_dir is None:
+        raise ValueError("launch: a plan on several machines needs run_dir=, a folder every machine reaches at the same "
+                         "path: the workers read the state from it and save the trained state into it")
+    fit_kwargs = {k: v for k, v in kwargs.items() if k not in ("steps", "batch_size")}
+    return pipeline, options, state, prompts, kwargs["steps"], kwargs["batch_size"], fit_kwargs
+
+
+class _Emit:
+    """The workers' sink: rank 0's metrics of every step, sent to the caller (``rlkit.launch.emit``)."""
+
+    def on_step(self, step: int, metrics: dict) -> None:
+        from rlkit.launch import emit
+
+        emit({**metrics, "step": step})
+
+
+class _Feed:
+    """The caller's ``on_metrics``: each streamed step into the caller's sinks (and ``on_metrics``)."""
+
+    def __init__(self, sinks: list, on_metrics):
+        self.sinks = sinks
+        self.on_metrics = on_metrics
+
+    def __call__(self, rank: int, record: dict) -> None:
+        if self.on_metrics is not None:
+            self.on_metrics(rank, dict(record))
+        record = dict(record)
+        step = record.pop("step", None)
+        if step is None:
+            return
+        metrics = {k: _NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()}
+        for sink in self.sinks:
+            sink.on_step(step, metrics)
+
+
+def _fit_worker(pipeline, options: dict, state_file: str, prompts, steps: int, batch_size: int, fit_kwargs: dict,
+                result_dir: str, on_accelerator: bool, compiled: tuple[str, ...]):
+    """In every worker: join the group, load the state, lower, shard, fit, save the trained state together."""
+    import torch
+
+    from rlkit import checkpoint
+    from rlkit.models.compile import compile_layers
+    from rlkit.parallel.mesh import default_device, init_distributed
+
+    init_distributed()
+    where = default_device() if on_accelerator else torch.device("cpu")
+    state = _rebuilt_optimizers(torch.load(state_file, map_location=where, weights_only=False, mmap=True))
+    for role in compiled:  # compiled blocks come out of a pickle eager: compile them as the caller had them
+        compile_layers(getattr(state, role))
+    plan = pipeline.lower(**options)
+    state = plan.shard(state)
+    state, history = plan.fit(state, prompts, steps=steps, batch_size=batch_size, sinks=[_Emit()], **fit_kwargs)
+    checkpoint.save(state, result_dir, checksum=False, save_ref=False)
+    return history
+
+
+def _rebuilt_optimizers(state):
+    """``state`` with its optimizers and schedulers built afresh from their specs and loaded with the
+    unpickled ones' state: a pickled optimizer loses the hook its scheduler put on ``step`` (torch
+    then warns at the first scheduler step that ``optimizer.step()`` was overridden)."""
+    changes = {}
+    for model, opt, sched, spec, names in (
+        (state.actor, state.optimizer, state.scheduler, state.optimizer_spec, ("optimizer", "scheduler")),
+        (state.critic, state.critic_optimizer, state.critic_scheduler, state.critic_optimizer_spec or state.optimizer_spec,
+         ("critic_optimizer", "critic_scheduler")),
+    ):
+        if model is None or opt is None or spec is None:
+            continue
+        new_opt, new_sched = spec.build(model)
+        new_opt.load_state_dict(opt.state_dict())
+        if sched is not None and new_sched is not None:
+            new_sched.load_state_dict(sched.state_dict())
+        changes.update({names[0]: new_opt, names[1]: new_sched if sched is not None else sched})
+    return state.replace(**changes) if changes else state
+
+
+def launch_fit(target, args: tuple, kwargs: dict, launch_options: dict):
+    """``rk.launch(plan, state, prompts, steps=..., batch_size=..., **launch_options)``; see the module."""
+    import shutil
+    import tempfile
+
+    import cloudpickle
+    import torch
+
+    from rlkit import checkpoint
+    from rlkit.launch import launch
+    from rlkit.observe.sinks import as_sinks, rewind_all
+
+    pipeline, options, state, prompts, steps, batch_size, fit_kwargs = _checked(
+        target, args, kwargs, launch_options.get("nnodes", 1), launch_options.get("run_dir"))
+    sinks = as_sinks(fit_kwargs.pop("sinks", None), "launch")
+    run_dir = os.path.abspath(launch_options.pop("run_dir", None) or tempfile.mkdtemp(prefix="rlkit_run_"))
+    os.makedirs(run_dir, exist_ok=True)
+    state_file = os.path.join(run_dir, STATE_FILE)
+    result_dir = os.path.join(run_dir, RESULT_DIR)
+    shutil.rmtree(result_dir, ignore_errors=True)  # a reused run_dir's earlier result must not be loaded as this one's
+    # the engine and the lowering live in the cache: each worker builds its own
+    shipped = state.replace(_cache={})
+    try:
+        with open(state_file + ".tmp", "wb") as f:
+            torch.save(shipped, f, pickle_module=cloudpickle)
+    except Exception as e:
+        raise TypeError(f"launch: the state cannot be written for the workers ({type(e).__name__}: {e}); its models, "
+                        "optimizers and tokenizer must be picklable") from e
+    os.replace(state_file + ".tmp", state_file)
+    if state.step > 0:
+        rewind_all(sinks, state.step)  # a resumed state: the sinks drop the steps this run redoes, as in fit
+    on_metrics = launch_options.pop("on_metrics", None)
+    if on_metrics is None and not sinks:
+        from rlkit.launch import print_metrics
+
+        on_metrics = print_metrics  # launch's default: one line per step
+    feed = _Feed(sinks, on_metrics)
+    from rlkit.models.compile import is_compiled
+
+    on_accelerator = state.device.type != "cpu"
+    compiled = tuple(role for role in ("actor", "ref", "critic") if getattr(state, role) is not None and is_compiled(getattr(state, role)))
+    history = launch(_fit_worker, pipeline, options, state_file, prompts, steps, batch_size, fit_kwargs, result_dir,
+                     on_accelerator, compiled, on_metrics=feed, run_dir=run_dir, **launch_options)
+    trained = checkpoint.latest(result_dir)
+    if trained is None:
+        raise RuntimeError(f"launch: the workers finished but left no trained state in {result_dir}")
+    state = checkpoint.load(state, trained, checksum=False, load_ref=False)
+    return state, history
+

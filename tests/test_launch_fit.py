@@ -1,0 +1,195 @@
+"""rk.launch(plan, state, prompts, steps=..., batch_size=...): the notebook's plan on N processes.
+
+DESIGN.md's promise: the four lines of a notebook cell become a Pipeline, a plan and
+``rk.launch(plan, ...)``. Checked here: a launch on one process computes exactly what
+``plan.fit`` does in the notebook (weights, AdamW moments, schedule, counters, metrics), and the
+notebook goes on training the returned state as if it had never left; a launch on two processes
+returns exactly the state that two workers reach by the hand-written route (a function that
+builds, lowers, shards and fits); the caller's sinks get every step; a failing worker leaves the
+caller's state untouched; wrong arguments are named before any process starts.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import rlkit as rk
+from rlkit.launch import launch
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+# Run with ``python -c``, as a notebook kernel runs a cell: __main__ has no file, so the reward,
+# the reference function and the sink reach the workers (or stay) by value.
+NOTEBOOK = textwrap.dedent(
+    '''
+    import json, math, sys
+    import torch
+    import rlkit as rk
+    from rlkit.launch import WorkerError
+
+    task = rk.tasks.arithmetic(digits=2, n_train=32, n_test=8)
+
+    def ones(completions, **_):                       # a reward that differs within groups
+        return [float(c.count("1")) for c in completions]
+
+    def fresh():
+        model = rk.models.tiny(task.tokenizer, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                               num_key_value_heads=1, seed=0)
+        return rk.init(model, rk.optim.adamw(lr=1e-2, warmup_steps=2), tokenizer=task.tokenizer)
+
+    recipe = rk.recipes.get("grpo").with_(n=4, max_new_tokens=task.max_new_tokens)
+    plan = rk.Pipeline(recipe, reward=ones).lower()
+
+    def tensors(state):
+        names = dict(state.actor.named_parameters())
+        moments = {n: {k: v.tolist() for k, v in state.optimizer.state[p].items() if torch.is_tensor(v) and v.ndim}
+                   for n, p in names.items() if p in state.optimizer.state}
+        return {"params": {n: p.detach().tolist() for n, p in names.items()}, "moments": moments,
+                "lr": state.optimizer.param_groups[0]["lr"], "last_epoch": state.scheduler.last_epoch,
+                "counters": [state.step, state.policy_version, state.data_position],
+                "extras": sorted(state.extras)}
+
+    def by_hand(steps):                               # the route of tutorials/distributed.md, section 0b
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+        from rlkit.parallel.mesh import init_distributed
+
+        init_distributed(timeout=60)
+        state = plan.pipeline.lower().shard(fresh())
+        state, history = plan.pipeline.lower().fit(state, task.train, steps=steps, batch_size=4)
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        own = dict(state.actor.named_parameters())    # a tied lm_head.weight is one parameter, as in tensors()
+        params = {n: p for n, p in get_model_state_dict(state.actor, options=full).items() if n in own}
+        moments = get_optimizer_state_dict(state.actor, state.optimizer, options=full)
+        if dist.get_rank():                           # full state dicts offloaded to the CPU are rank 0's alone
+            return None
+        moments = moments["state"]
+        return {"params": {n: p.tolist() for n, p in params.items()},
+                "moments": {n: {k: v.tolist() for k, v in m.items() if torch.is_tensor(v) and v.ndim} for n, m in moments.items()},
+                "history": history}
+
+    def plain(history):
+        return [{k: v for k, v in h.items() if not k.startswith(("time/", "rollout/")) and k != "sync/seconds"}
+                for h in history]
+
+    class Keep:
+        def __init__(self):
+            self.rows = []
+        def on_step(self, step, metrics):
+            self.rows.append([step, dict(metrics)])
+
+    if __name__ == "__main__":
+        out = {}
+        # the notebook's own run: 2 steps, then a third
+        a, ha = plan.fit(fresh(), task.train, steps=2, batch_size=4)
+        out["local"] = tensors(a)
+        a, ha3 = plan.fit(a, task.train, steps=3, batch_size=4)
+        out["local3"] = tensors(a)
+        out["local_history"] = plain(ha)
+
+        # the same two steps launched on one process, the third in the notebook again
+        keep = Keep()
+        b, hb = rk.launch(plan, fresh(), task.train, steps=2, batch_size=4, nproc_per_node=1, sinks=keep, echo_logs=False)
+        out["one"] = tensors(b)
+        out["one_history"] = plain(hb)
+        out["one_sink"] = [[step, plain([m])[0]] for step, m in keep.rows]
+        b, _ = plan.fit(b, task.train, steps=3, batch_size=4)
+        out["one3"] = tensors(b)
+
+        # two processes: the launched plan against the hand-written route
+        two, h2 = rk.launch(plan, fresh(), task.train, steps=2, batch_size=4, nproc_per_node=2, echo_logs=False)
+        out["two"] = tensors(two)
+        out["two_history"] = plain(h2)
+        ref = rk.launch(by_hand, 2, nproc_per_node=2, echo_logs=False)
+        out["by_hand"] = {"params": ref["params"], "moments": ref["moments"], "history": plain(ref["history"])}
+
+        # a worker that fails: the caller's state is neither donated nor changed
+        def broken(completions, **_):
+            raise ValueError("the reward broke")
+        kept = fresh()
+        before = tensors(kept)["params"]
+        try:
+            rk.launch(rk.Pipeline(recipe, reward=broken), kept, task.train, steps=1, batch_size=4, nproc_per_node=1,
+                      echo_logs=False)
+            out["error"] = None
+        except WorkerError as e:
+            out["error"] = str(e)
+        out["kept_same"] = tensors(kept)["params"] == before
+        print("RESULT " + json.dumps(out))
+    '''
+)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    proc = subprocess.run([sys.executable, "-c", NOTEBOOK], capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_one_process_launch_computes_what_plan_fit_does_in_the_notebook(runs):
+    assert runs["one"] == runs["local"]  # weights, AdamW moments, lr, schedule, counters, extras: bit for bit
+    assert runs["one"]["counters"] == [2, 2, 2]
+    assert "fit/elapsed_s" in runs["one"]["extras"] and "fit/prompts" in runs["one"]["extras"]
+    assert runs["one_history"] == runs["local_history"]
+    assert any(h["actor/grad_norm"] > 0 for h in runs["one_history"])  # it trained: the comparison is not of two no-ops
+
+
+def test_the_notebook_goes_on_from_the_launched_state_as_if_it_never_left(runs):
+    assert runs["one3"] == runs["local3"]
+
+
+def test_the_callers_sinks_get_every_step_as_the_workers_log_it(runs):
+    assert [step for step, _ in runs["one_sink"]] == [1, 2]
+    assert [metrics for _, metrics in runs["one_sink"]] == runs["one_history"]
+
+
+def test_two_process_launch_returns_the_state_the_hand_written_route_reaches(runs):
+    ref = runs["by_hand"]
+    assert runs["two"]["params"] == ref["params"]
+    assert runs["two"]["moments"] == ref["moments"]
+    assert runs["two_history"] == ref["history"]
+    assert runs["two"]["counters"] == [2, 2, 2]
+    assert runs["two"]["params"] != runs["local"]["params"] or runs["two_history"] != runs["local_history"]  # 2 replicas sample others
+
+
+def test_a_failing_worker_leaves_the_callers_state_untouched(runs):
+    assert runs["error"] is not None and "the reward broke" in runs["error"]
+    assert runs["kept_same"] is True
+
+
+@pytest.fixture()
+def parts():
+    task = rk.tasks.arithmetic(digits=2, n_train=8, n_test=4)
+    model = rk.models.tiny(task.tokenizer, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                           max_position_embeddings=64)
+    state = rk.init(model, tokenizer=task.tokenizer)
+    plan = rk.Pipeline(rk.recipes.get("grpo").with_(n=2, max_new_tokens=task.max_new_tokens), reward=task.reward).lower()
+    return task, state, plan
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda t, s, p, d: launch(p, nproc_per_node=2, run_dir=d), "after the plan come exactly the state and the prompts"),
+    (lambda t, s, p, d: launch(p.pipeline, s, t.train, batch_size=2, run_dir=d), "it needs steps"),
+    (lambda t, s, p, d: launch(p, s, t.train, steps=1, batch_size=2, epochs=3, run_dir=d), "'epochs' is not an argument of plan.fit"),
+    (lambda t, s, p, d: launch(p, t.train, s, steps=1, batch_size=2, run_dir=d), "must be a TrainState"),
+    (lambda t, s, p, d: launch(p, s, t.train, steps=1, batch_size=0, run_dir=d), "batch_size"),
+])
+def test_wrong_arguments_are_named_before_any_process_starts(parts, tmp_path, call, message):
+    task, state, plan = parts
+    with pytest.raises((TypeError, ValueError), match=message):
+        call(task, state, plan, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+    assert not state.is_donated
+
+
+def test_a_prompt_too_long_for_the_context_is_named_before_the_launch(parts, tmp_path):
+    task, state, plan = parts
+    with pytest.raises(ValueError, match="do not fit|context"):
+        launch(plan, state, ["1" * 100], steps=1, batch_size=1, run_dir=str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
