@@ -170,7 +170,12 @@ def _worker(payload: bytes, run_dir: str) -> tuple[int, bytes]:
     # sys.exit): the caller's watchdog (_Tail.check_workers) tells from them a process that ended
     # without either, e.g. os._exit(0) inside fn, which torch elastic would wait on forever
     marker = os.path.join(run_dir, "workers", f"rank{rank}")
+    for stale in (".done", ".exit"):  # the markers of this rank's worker of an attempt before a restart
+        if os.path.exists(marker + stale):
+            os.remove(marker + stale)
     _write_atomic(marker + ".pid", f"{socket.gethostname()} {os.getpid()}")
+    real_exit = os._exit
+    os._exit = _noting_exit(real_exit, marker)
     try:
         try:
             fn, args, kwargs, registrations = cloudpickle.loads(payload)
@@ -182,7 +187,28 @@ def _worker(payload: bytes, run_dir: str) -> tuple[int, bytes]:
         _teardown_process_group()
         return rank, cloudpickle.dumps(result)
     finally:
+        os._exit = real_exit
         _write_atomic(marker + ".done", "")
+
+
+def _noting_exit(real_exit: Callable[[int], None], marker: str) -> Callable[[int], None]:
+    """``os._exit`` for the time ``fn`` runs: it writes ``<marker>.exit`` (this process's pid and the
+    status) before the process ends. torch elastic waits forever for the result of a worker that
+    ended with status 0 without one; with ``max_restarts > 0`` the caller cannot tell such a worker
+    from one torch elastic stopped to restart the group, except by this note (see
+    :meth:`_Tail._watch`). Only this process writes it: a child forked inside ``fn`` (a
+    DataLoader worker) inherits the function and ends through it."""
+    owner = os.getpid()
+
+    def _exit(status: int) -> None:
+        if os.getpid() == owner:
+            try:
+                _write_atomic(marker + ".exit", f"{owner} {int(status)}")
+            except Exception:  # noqa: BLE001 - the exit itself must happen
+                pass
+        real_exit(status)
+
+    return _exit
 
 
 #: plain ``name -> factory`` tables that rlkit resolves names through (``rk.recipes.get("grpo")``,
@@ -334,16 +360,20 @@ class _Tail(threading.Thread):
     def _watch(self) -> None:
         """Once a second: a worker that vanished ends the launch. The caller's thread waits inside
         torch elastic, which stops its workers and returns on SIGTERM (its own handler); without
-        that handler (a launch outside the main thread) nothing is sent. Off with
-        ``max_restarts > 0``: a restart stops the surviving workers with SIGTERM, before they
-        leave fn, and they would look vanished."""
+        that handler (a launch outside the main thread) nothing is sent. With ``max_restarts > 0``
+        only the workers that ended through ``os._exit(0)`` (noted by :func:`_noting_exit`) count:
+        a restart stops the surviving workers with SIGTERM, before they leave fn, and a process
+        gone without its marker would look vanished."""
         now = time.monotonic()
-        if not self._watch_enabled or self.vanished or now - self._checked < 1.0:
+        if self.vanished or now - self._checked < 1.0:
             return
         self._checked = now
-        current = set(self.check_workers())
-        self._gone_since = {r: self._gone_since.get(r, now) for r in current}
-        gone = sorted(r for r, since in self._gone_since.items() if now - since >= self.VANISHED_AFTER_S)
+        # os._exit(0) called from Python inside fn leaves a note (_noting_exit): certain, restarts or not
+        gone = sorted(rank for rank, pid in _exited_with_0(self.run_dir) if not _alive(pid))
+        if not gone and self._watch_enabled:
+            current = set(self.check_workers())
+            self._gone_since = {r: self._gone_since.get(r, now) for r in current}
+            gone = sorted(r for r, since in self._gone_since.items() if now - since >= self.VANISHED_AFTER_S)
         if gone:
             self.vanished = gone
             handler = signal.getsignal(signal.SIGTERM)
@@ -486,9 +516,11 @@ def launch(
     (to pass one of these names to ``fn``, wrap it in ``functools.partial``). On a machine that
     does not hold global rank 0 the return value is ``None``. A worker's exception is raised here
     as :class:`WorkerError` with the worker's traceback text; so is a worker that ends with
-    ``sys.exit(0)`` instead of returning (it leaves no result), and, with ``max_restarts=0``, one
-    whose process ends inside ``fn`` without an exception (``os._exit(0)``), a few seconds after
-    (torch elastic alone would wait for its result forever; with restarts it still does). Arguments of the wrong type or
+    ``sys.exit(0)`` instead of returning (it leaves no result), and one whose process ends inside
+    ``fn`` without an exception: ``os._exit(0)`` called from Python, within a second or so, with or
+    without ``max_restarts``; any other silent end with status 0 (a library's C ``exit(0)``) a few
+    seconds after, with ``max_restarts=0`` only (torch elastic alone would wait for a result
+    forever; with restarts, and such an end, it still does). Arguments of the wrong type or
     range raise ``ValueError`` naming them before any process starts.
 
     ``launch(plan, state, prompts, steps=..., batch_size=..., **options)`` with a lowered ``Plan``
@@ -605,6 +637,19 @@ def _unfinished_workers(run_dir: str):
             continue
         if where == host:
             yield int(re.search(r"rank(\d+)\.pid$", path).group(1)), int(pid)
+
+
+def _exited_with_0(run_dir: str):
+    """``(rank, pid)`` of this machine's workers of the run that called ``os._exit(0)`` inside ``fn``
+    (the note :func:`_noting_exit` leaves) without leaving ``fn`` first."""
+    for rank, pid in _unfinished_workers(run_dir):
+        try:
+            with open(os.path.join(run_dir, "workers", f"rank{rank}.exit"), encoding="utf-8") as f:
+                noted_pid, status = map(int, f.read().split())
+        except (OSError, ValueError):
+            continue
+        if noted_pid == pid and status == 0:
+            yield rank, pid
 
 
 def _kill_leftover_workers(run_dir: str) -> list[int]:

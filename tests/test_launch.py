@@ -309,6 +309,19 @@ def test_a_worker_that_ends_without_returning_or_raising_stops_the_launch(tmp_pa
     assert "rank(s) [1] ended while running fn" in out["message"] and "os._exit" in out["message"]
 
 
+VANISHING_WITH_RESTARTS = VANISHING.replace("nproc_per_node=2,", "nproc_per_node=2, max_restarts=2,")
+
+
+def test_os_exit_0_stops_a_launch_with_restarts_too(tmp_path, child_env):
+    """With max_restarts > 0 the watchdog was off (a restart's SIGTERM to the survivors looks like
+    a worker vanishing), so os._exit(0) inside fn hung the launch forever. The worker now notes
+    an os._exit of its own before the process ends, and that note is certain with restarts too."""
+    assert "max_restarts=2" in VANISHING_WITH_RESTARTS
+    out = _script_result(VANISHING_WITH_RESTARTS, tmp_path, child_env, timeout=120)
+    assert out["rank"] == 1 and out["failures"] == [1]
+    assert "rank(s) [1] ended while running fn" in out["message"] and "os._exit" in out["message"]
+
+
 RESTARTED = textwrap.dedent(
     """
     import json, os, sys, time
