@@ -30,7 +30,12 @@ def evaluate(
     anything :func:`rlkit.load_prompts` reads. ``engine``: None (the built-in
     :class:`rlkit.engines.TorchEngine`), an engine name as :func:`rlkit.rollout` takes it ("torch",
     "hf", "vllm"), or an Engine object. Responses stop where :func:`rlkit.rollout`'s do by default:
-    at the tokenizer's EOS and at the model's ``generation_config`` eos ids."""
+    at the tokenizer's EOS and at the model's ``generation_config`` eos ids.
+
+    ``temperature > 0`` samples from one generator seeded with ``seed``, drawn from chunk after
+    chunk of ``batch_size`` prompts: the same ``seed`` and ``batch_size`` repeat a result, while
+    another ``batch_size`` draws other samples (and another accuracy). Greedy results do not
+    depend on ``batch_size``."""
     from rlkit.engines.torch_engine import TorchEngine
     from rlkit.transforms.score import score
     from rlkit.transforms.rollout import batch_from_generation as from_generation

@@ -372,3 +372,30 @@ def test_jsonl_sink_names_a_folder_path_and_a_closed_sink(tmp_path):
     sink.close()
     with pytest.raises(ValueError, match="was closed; make a new one"):
         sink.on_step(2, {"a": 2.0})  # was "I/O operation on closed file"
+
+
+@pytest.mark.parametrize("make", ["list", "dashboard"])
+def test_in_memory_sinks_rewind_numpy_and_tensor_steps_as_jsonl_does(tmp_path, make):
+    """A loop over np.arange (or tensor steps) logged steps that ListSink and Dashboard kept as
+    numpy ints: rewind took them for rows without a step and dropped nothing, while the JSONL file
+    of the same run was rewound, and json.dumps of the history failed on an int64."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from rlkit.observe import JSONLSink, ListSink
+    from rlkit.observe.notebook import Dashboard
+
+    sink = ListSink() if make == "list" else Dashboard(total=5)
+    path = tmp_path / "m.jsonl"
+    with JSONLSink(str(path), mode="w") as file_sink:
+        for step in list(np.arange(1, 4)) + [torch.tensor(4), np.int32(5)]:
+            for s in (sink, file_sink):
+                s.on_step(step, {"a": float(step)})
+        sink.rewind(2)
+        file_sink.rewind(2)
+    assert [row["step"] for row in sink.history] == [1, 2]
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    assert all(type(row["step"]) is int for row in sink.history)
+    json.dumps(sink.history)  # plain ints: the history is JSON as it is

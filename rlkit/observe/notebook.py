@@ -13,7 +13,7 @@ import sys
 from typing import Sequence
 
 from rlkit._checks import int_at_least
-from rlkit.observe.sinks import _metric_items, _rewound, as_keys, as_number, format_value
+from rlkit.observe.sinks import _json_ready, _metric_items, _rewound, as_keys, as_number, format_value
 
 
 def _in_kernel() -> bool:
@@ -61,6 +61,7 @@ class Dashboard:
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         row = dict(_metric_items(metrics))
+        step = _json_ready(step)  # a numpy or tensor step as the int it holds (see ListSink.on_step)
         self.history.append({"step": step, **row})
         self.latest.update(row)  # as ConsoleSink: a metric logged at some steps (eval/accuracy) stays shown
         if step > self.total:

@@ -227,7 +227,9 @@ class ListSink:
         self.history: list[dict[str, Any]] = []
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
-        self.history.append({"step": step, **dict(_metric_items(metrics))})
+        # a numpy or tensor step (a loop over np.arange) as the int it holds, as JSONLSink keeps it:
+        # kept as it came, rewind took it for a row without a step and dropped nothing
+        self.history.append({"step": _json_ready(step), **dict(_metric_items(metrics))})
 
     def rewind(self, step: int) -> None:
         """Forget this run's rows of steps after ``step`` (the resumed run logs them again); an
