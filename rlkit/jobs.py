@@ -57,17 +57,23 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help="prompts per RL step")
     p.add_argument("--n", type=int, default=d["n"], help="samples per prompt")
     p.add_argument("--lr", type=float, default=d["lr"], help="RL learning rate")
-    p.add_argument("--sft-lr", type=float, default=d["sft_lr"])
+    p.add_argument("--sft-lr", type=float, default=d["sft_lr"], help=f"warm-up learning rate (default {d['sft_lr']:g})")
     p.add_argument("--kl", type=float, default=d["kl"], help="low_var_kl coefficient to a frozen reference (0: no reference)")
-    p.add_argument("--temperature", type=float, default=d["temperature"])
+    p.add_argument("--temperature", type=float, default=d["temperature"],
+                   help=f"sampling temperature of the RL rollouts, > 0 (default {d['temperature']:g}; evaluation is always greedy)")
     p.add_argument("--teacher-error", type=float, default=d["teacher_error"],
                    help="how often the warm-up teacher writes a redundant '+0' after the answer ('46+0'), which the "
                         "verifier rejects; RL has to unlearn the habit (0: a perfect teacher)")
-    p.add_argument("--seed", type=int, default=d["seed"])
+    p.add_argument("--seed", type=int, default=d["seed"],
+                   help=f"seeds the model's initial weights, the warm-up and RL sampling (default {d['seed']}; "
+                        "a resumed run keeps its checkpoint's seed)")
     p.add_argument("--device", default=d["device"], help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--size", default=d["size"], help="model preset (tiny, small, ...)")
-    p.add_argument("--eval-every", type=int, default=d["eval_every"])
-    p.add_argument("--eval-size", type=int, default=d["eval_size"])
+    p.add_argument("--eval-every", type=int, default=d["eval_every"],
+                   help=f"measure held-out accuracy every K RL steps and after the last (default {d['eval_every']}; "
+                        "0: only after the warm-up and at the end)")
+    p.add_argument("--eval-size", type=int, default=d["eval_size"],
+                   help=f"held-out prompts scored (greedy) for accuracy, at most the task's test set (default {d['eval_size']})")
     p.add_argument("--out", default=None, help="directory: saves the model (save_pretrained), metrics.jsonl and summary.json; "
                    "an earlier run found there is moved to OUT/previous-<k> unless this run resumes one of its checkpoints")
     p.add_argument("--resume", default=None, help="'auto' (needs --out: the newest complete checkpoint in OUT/checkpoints, or a fresh start) "
@@ -129,6 +135,11 @@ def _check_against_task(opts: argparse.Namespace, task) -> None:
     if opts.batch_size > n_train:
         raise ValueError(f"option 'batch_size' (--batch-size) is {opts.batch_size}, more than the {n_train} training prompts "
                          f"of task {opts.task!r}; use --batch-size {n_train} or less")
+    n_test = len(task.test)
+    if opts.eval_size > n_test:
+        # it was capped silently: the accuracies were over fewer prompts than asked, and nothing said so
+        raise ValueError(f"option 'eval_size' (--eval-size) is {opts.eval_size}, more than the {n_test} held-out test prompts "
+                         f"of task {opts.task!r}; use --eval-size {n_test} or less")
 
 
 #: what a run writes into ``--out``
@@ -168,6 +179,21 @@ def _set_aside_previous_run(out: str) -> tuple[str, list[str]] | None:
     for name in found:
         os.replace(os.path.join(out, name), os.path.join(where, name))
     return where, found
+
+
+def _continue_hint(opts: argparse.Namespace) -> str:
+    """The end of the message about an earlier run set aside from ``--out``: how to continue that
+    run instead, only where that would work. It always said "pass --resume auto", also to a run
+    given --resume auto (which found no complete checkpoint there), and to one whose earlier run
+    left no checkpoint to continue from."""
+    from rlkit.checkpoint import latest
+
+    root = os.path.join(opts.out, "checkpoints")
+    if opts.resume == "auto":
+        return f" (--resume auto found no complete checkpoint in {root} to continue from.)"
+    if latest(root) is None:
+        return ""
+    return " To continue the run in --out instead, pass --resume auto."
 
 
 def _recipe_before_warmup(opts: argparse.Namespace):
@@ -247,6 +273,18 @@ def _resume_target(opts: argparse.Namespace):
     return found
 
 
+def _keeps_no_checkpoint(out: str, resume_from, state) -> bool:
+    """Whether ``out/checkpoints`` lacks a checkpoint of ``state`` as its newest: false only when
+    ``state`` was just loaded, unchanged, from that newest checkpoint itself (saving it again would
+    copy it onto itself)."""
+    from rlkit.checkpoint import latest
+
+    newest = latest(os.path.join(out, "checkpoints"))
+    if newest is None or resume_from is None:
+        return True
+    return os.path.realpath(newest) != os.path.realpath(resume_from) or _checkpoint_step(newest) != state.step
+
+
 def _checkpoint_step(path) -> int | None:
     """The step a checkpoint directory restores (its ``meta.json``), None where it does not say."""
     from rlkit.checkpoint import META
@@ -315,13 +353,13 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
             torch.cuda.set_device(info.local_rank)
     if opts.out and not _continues_out(opts.out, resume_from):
         if rank == 0 and os.path.isdir(opts.out):
+            hint = _continue_hint(opts)  # before the move: it looks for a checkpoint in OUT/checkpoints
             moved = _set_aside_previous_run(opts.out)
             if moved:
                 where, names = moved
                 print(f"rlkit run: --out {opts.out} held an earlier run and this run starts afresh (it resumes no checkpoint "
                       f"of {os.path.join(opts.out, 'checkpoints')}): that run's {', '.join(names)} were moved to {where}, "
-                      "nothing deleted, nothing mixed into this run's outputs. To continue the run in --out instead, "
-                      "pass --resume auto.", file=sys.stderr, flush=True)
+                      f"nothing deleted, nothing mixed into this run's outputs.{hint}", file=sys.stderr, flush=True)
         if distributed:
             from rlkit.parallel import barrier
 
@@ -331,7 +369,7 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     torch.manual_seed(opts.seed)
     model = tiny(task.tokenizer, size=opts.size, seed=opts.seed).to(device)
     tok = task.tokenizer
-    eval_set = task.test.take(range(min(opts.eval_size, len(task.test))))
+    eval_set = task.test.take(range(opts.eval_size))  # at most len(task.test): check_options refuses more
 
     def accuracy(m, state=None) -> float:
         # a lowered state evaluates with its rollout engine, synced to the sharded actor's weights
@@ -389,6 +427,11 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
             state, recipe, task.reward, task.train, steps=opts.steps, batch_size=opts.batch_size, sinks=sinks,
             eval_fn=lambda s: {"accuracy": accuracy(s.actor, s)}, eval_every=opts.eval_every, checkpointer=checkpointer,
         )
+        if checkpointer is not None and not history and _keeps_no_checkpoint(opts.out, resume_from, state):
+            # fit saves the final state only after a step: a run that trains none (resumed at --steps
+            # already) still writes its model and summary into --out, and, with no checkpoint next to
+            # them, a later --resume auto set that run aside and started afresh, warm-up included
+            checkpointer.save_final(state)
     finally:
         for s in sinks:
             s.close()
