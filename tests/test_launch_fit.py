@@ -193,3 +193,50 @@ def test_a_prompt_too_long_for_the_context_is_named_before_the_launch(parts, tmp
     with pytest.raises(ValueError, match="do not fit|context"):
         launch(plan, state, ["1" * 100], steps=1, batch_size=1, run_dir=str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+ON_GPU = textwrap.dedent(
+    '''
+    import json
+    import torch
+    import rlkit as rk
+    from rlkit.models.compile import is_compiled
+
+    task = rk.tasks.arithmetic(digits=2, n_train=32, n_test=8)
+
+    def ones(completions, **_):
+        return [float(c.count("1")) for c in completions]
+
+    def fresh():
+        model = rk.models.tiny(task.tokenizer, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                               num_key_value_heads=2, seed=0)
+        return rk.init(model, rk.optim.adamw(lr=1e-2), tokenizer=task.tokenizer, device="cuda", compile=True)
+
+    plan = rk.Pipeline(rk.recipes.get("grpo").with_(n=4, max_new_tokens=task.max_new_tokens), reward=ones).lower()
+
+    if __name__ == "__main__":
+        a, ha = plan.fit(fresh(), task.train, steps=2, batch_size=4)
+        start = fresh()
+        b, hb = rk.launch(plan, start, task.train, steps=2, batch_size=4, nproc_per_node=1, echo_logs=False)
+        pairs = list(zip(a.actor.parameters(), b.actor.parameters()))
+        print("RESULT " + json.dumps({
+            "device": str(b.device), "compiled": is_compiled(b.actor),
+            "max_diff": max((p - q).abs().max().item() for p, q in pairs),
+            "moved": max((p.detach() - q.detach()).abs().max().item() for p, q in zip(b.actor.parameters(), fresh().actor.parameters())),
+            "grad_norms": [h["actor/grad_norm"] for h in hb]}))
+    '''
+)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_compiled_cuda_state_launches_on_its_gpu_and_computes_what_plan_fit_does():
+    """The state's device and its compiled blocks travel: each worker maps the state onto its own
+    GPU (not the caller's device index) and compiles the blocks the caller had compiled (a pickle
+    brings them back eager), so one worker computes what the notebook's compiled plan.fit does."""
+    proc = subprocess.run([sys.executable, "-c", ON_GPU], capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["device"].startswith("cuda") and out["compiled"]
+    assert out["moved"] > 0 and any(g > 0 for g in out["grad_norms"])
+    assert out["max_diff"] == 0.0, out
