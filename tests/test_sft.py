@@ -195,7 +195,8 @@ def test_warmup_refuses_characters_the_tokenizer_encodes_as_unknown():
     assert seen == [] and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="sft_batch: pair 1's completion 'six' has characters .*\\['s', 'i', 'x'\\]"):
         sft_batch(tok, [("1+1=", "2"), ("3+3=", "six")])
-    # "<unk>" written out is that token too, and refused; where the unknown token is also EOS (GPT-2's
+    # "<unk>" written out is five characters outside this alphabet, refused and named as the text
+    # "<unk>" (the character tokenizer never reads special tokens from text); where the unknown token is also EOS (GPT-2's
     # "<|endoftext|>"), writing it out is that special token, not an unknown character
     with pytest.raises(ValueError, match="sft_batch: pair 0's completion '4<unk>' .*\\['<unk>'\\]"):
         sft_batch(tok, [("1+3=", "4<unk>")])

@@ -40,6 +40,14 @@ def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     then the alphabet's characters in order. ``encode`` adds no special tokens, so
     ``decode(encode(s)) == s`` for every string over the alphabet (spaces and newlines included).
 
+    Text never encodes to a special token: ``"<eos>"`` written in the text is five characters
+    (``<unk>`` for each one outside the alphabet), not EOS. Special tokens enter only as ids, from
+    the code that appends EOS or pads; a chat template that writes ``{{ eos_token }}`` into its text
+    therefore gets those characters, not the EOS id. With an alphabet holding ``<``, ``>`` and
+    letters (``string.printable``), a literal ``"a<eos>b"`` used to become ``a``, EOS, ``b``:
+    ``sft_batch`` trained an EOS in the middle of a completion, and decoding with
+    ``skip_special_tokens=True`` gave ``"ab"``.
+
     >>> tok = char_tokenizer("0123456789+=")
     >>> tok.encode("12+3"), tok.decode(tok.encode("12+3"))
     ([5, 6, 14, 7], '12+3')
@@ -60,6 +68,16 @@ def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     # Fuse joins tokens without the spaces WordLevel's default decoding would insert.
     core.decoder = decoders.Fuse()
+    # Hugging Face tokenizers match the special tokens' text in the input before the pre-tokenizer
+    # runs, so "<eos>" written in the text became EOS although each of its characters is one
+    # token. split_special_tokens=True (transformers' name for the tokenizers library's
+    # encode_special_tokens) encodes that text as plain text. It is set here, not on the backend:
+    # transformers sets the backend's encode_special_tokens from this attribute on every call (a
+    # value set on the backend alone is overwritten), and saves it in tokenizer_config.json, so
+    # save_pretrained + PreTrainedTokenizerFast / AutoTokenizer / load_tokenizer keep it.
+    # tokenizer.json does not hold it (Tokenizer.from_file alone matches special tokens again);
+    # load_tokenizer sets it again on a character tokenizer saved before this fix
+    # (_restore_split_specials).
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD,
@@ -68,6 +86,7 @@ def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
         unk_token=UNK,
         clean_up_tokenization_spaces=False,
         padding_side="left",
+        split_special_tokens=True,
     )
     return tokenizer
 
@@ -108,6 +127,7 @@ def load_tokenizer(path: str | os.PathLike, *, pad_to_eos: bool = False) -> PreT
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     if saved_json.is_file():
         tokenizer = _as_saved(tokenizer, directory)
+    _restore_split_specials(tokenizer)
     if tokenizer.pad_token is None:
         if pad_to_eos and tokenizer.eos_token is not None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -123,6 +143,32 @@ def load_tokenizer(path: str | os.PathLike, *, pad_to_eos: bool = False) -> PreT
                 f"({tokenizer.eos_token!r}) as pad_token, or set tokenizer.pad_token and save it again"
             )
     return tokenizer
+
+
+def _is_char_tokenizer(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether ``tokenizer`` is one :func:`char_tokenizer` built: a fast tokenizer over a
+    ``WordLevel`` vocabulary of :data:`CHAR_SPECIALS` (ids 0-3) and single characters."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast) or type(getattr(backend, "model", None)).__name__ != "WordLevel":
+        return False
+    vocab = backend.get_vocab()
+    return all(vocab.get(tok) == i for i, tok in enumerate(CHAR_SPECIALS)) and all(
+        len(tok) == 1 for tok in vocab if tok not in CHAR_SPECIALS
+    )
+
+
+def _restore_split_specials(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Make a loaded :func:`char_tokenizer` encode special tokens' text as characters.
+
+    A directory saved before :func:`char_tokenizer` set ``split_special_tokens=True`` lacks it in
+    tokenizer_config.json, and would encode ``"a<eos>b"`` with EOS in the middle again. Set on the
+    instance and in ``init_kwargs`` (what ``save_pretrained`` writes), so saving it again keeps it.
+    Other tokenizers are left alone: their chat templates write special tokens as text."""
+    if getattr(tokenizer, "split_special_tokens", True) or not _is_char_tokenizer(tokenizer):
+        return
+    tokenizer.split_special_tokens = True
+    tokenizer.init_kwargs["split_special_tokens"] = True
+    tokenizer._tokenizer.encode_special_tokens = True
 
 
 def _declared_class(directory: Path) -> str | None:
@@ -242,14 +288,43 @@ def check_known_characters(tokenizer, text: str, ids: list[int], where: str) -> 
         return  # GPT-2's "<|endoftext|>" is its unk, eos and bos: written out in the text, it is that special token
     if getattr(tokenizer, "is_fast", False):
         encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        pieces = [text[a:b] for i, (a, b) in zip(encoding["input_ids"], encoding["offset_mapping"]) if i == unk]
+        spans = [(a, b) for i, (a, b) in zip(encoding["input_ids"], encoding["offset_mapping"]) if i == unk]
+        pieces = _name_written_specials(tokenizer, text, spans)
     else:  # no offsets: the characters that alone encode to the unknown token
         pieces = [c for c in text if unk in tokenizer(c, add_special_tokens=False)["input_ids"]]
     pieces = list(dict.fromkeys(p for p in pieces if p and not (shared and p == literal)))
+    # one character once: a written-out "<unk>" beside a lone "<" must not make the suggested
+    # alphabet repeat "<", which char_tokenizer refuses
+    missing = "".join(dict.fromkeys("".join(pieces)))
     raise ValueError(
         f"{where} {text!r:.80} has characters the tokenizer does not know: {pieces if pieces else '(not located)'} "
         f"(each is encoded as its unknown token {literal!r}, id {unk}: the model cannot tell them apart, and decoding "
         f"drops it, so a model taught to emit it writes text no reward sees); add them to the tokenizer's vocabulary "
-        + (f"(for rlkit's character tokenizer: char_tokenizer(alphabet + {''.join(pieces)!r})) " if pieces else "")
+        + (f"(for rlkit's character tokenizer: char_tokenizer(alphabet + {missing!r})) " if pieces else "")
         + "or remove them from the data"
     )
+
+
+def _name_written_specials(tokenizer, text: str, spans: list[tuple[int, int]]) -> list[str]:
+    """The text of each unknown-token span (``(start, end)`` in ``text``), in order; where the
+    spans cover a special token written out in full (``"<unk>"`` with an alphabet lacking ``<``,
+    ``u``, ``n``, ``k`` and ``>``), that token's text once instead of its characters.
+
+    :func:`char_tokenizer` encodes a written-out special token as its characters, each unknown
+    outside the alphabet; naming ``'<unk>'`` tells the user which text in the data to remove,
+    where ``['<', 'u', 'n', 'k', '>']`` hides it among the other characters."""
+    import re
+
+    unknown = {k for a, b in spans for k in range(a, b)}
+    specials = [t for t in getattr(tokenizer, "all_special_tokens", ()) if isinstance(t, str) and t]
+    written = [
+        (m.start(), m.end())
+        for t in specials
+        for m in re.finditer(re.escape(t), text)
+        if all(k in unknown for k in range(m.start(), m.end()))
+    ]
+    pieces = []
+    for a, b in spans:
+        whole = next(((s, e) for s, e in written if s <= a and b <= e), None)
+        pieces.append(text[whole[0] : whole[1]] if whole else text[a:b])
+    return pieces
