@@ -179,18 +179,22 @@ def _rollout_worker():
         state = plan.shard(state)
         prompts = task.train.batch_at(0, 4, shuffle=False)
         before = rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=0.0)
+        sampled = rk.rollout(state, prompts, n=3, max_new_tokens=6, temperature=1.0, top_k=6)
         state, _ = rk.update(state, _batch(_model(task), task))
         after = rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=0.0)
         return {k: b[k].clone() for b, k in [(before, "response_ids"), (before, "group")]} | {
             "after_ids": after["response_ids"].clone(), "sync": rk.rollout_metrics(after),
+            "sampled_ids": sampled["response_ids"].clone(), "sampled_logprobs": sampled["logprobs"].clone(),
         }
     finally:
         shutdown()
 
 
 def test_rollout_on_two_replicas_equals_one_process():
-    """Prompts split over 2 generation replicas and gathered == one process (greedy), before and
-    after an update (which moves the new weights into the generation layout)."""
+    """Prompts split over 2 generation replicas and gathered == one process, before and after an
+    update (which moves the new weights into the generation layout); sampled too: each replica
+    draws the whole batch's noise from the step's key and keeps its rows' (the replicas folded
+    their index into the key, so 2 processes sampled other responses than one)."""
     from rlkit.parallel.local import run_local
 
     results = run_local(_rollout_worker, 2, timeout=240)
@@ -198,9 +202,13 @@ def test_rollout_on_two_replicas_equals_one_process():
     state = rk.init(_model(task), _spec(), tokenizer=task.tokenizer)
     prompts = task.train.batch_at(0, 4, shuffle=False)
     before = rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=0.0)
+    sampled = rk.rollout(state, prompts, n=3, max_new_tokens=6, temperature=1.0, top_k=6)
+    assert len({tuple(row.tolist()) for row in sampled["response_ids"]}) > 4  # varied samples, not one answer
     state, _ = rk.update(state, _batch(_model(task), task))
     after = rk.rollout(state, prompts, n=2, max_new_tokens=4, temperature=0.0)
     for r in results:
+        assert torch.equal(r["sampled_ids"], sampled["response_ids"])
+        torch.testing.assert_close(r["sampled_logprobs"], sampled["logprobs"], rtol=0, atol=1e-5)
         assert torch.equal(r["response_ids"], before["response_ids"])
         assert r["group"].tolist() == before["group"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
         width = after["response_ids"].shape[1]

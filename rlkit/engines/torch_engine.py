@@ -557,13 +557,17 @@ class _Sampler:
     partial: list[torch.Tensor]  # m, s, score (f32), idx (i32), z (f32), each (b n_splits)
     tokens: torch.Tensor  # (b) long
     logprobs: torch.Tensor  # (b) f32
+    #: rows of the whole batch under ``generate(rows=(start, total))`` (0: this call's b); the
+    #: call's ``start`` is added to ``seed``, so row r's noise is keyed as the whole batch's row start + r
+    total_rows: int = 0
 
 
 def fused_sample(logits: torch.Tensor, sampler: _Sampler, step: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens ``(b)`` and their log-probs under ``softmax(logits / T)`` (greedy when ``T == 0``).
 
     ``logits (b v)`` in any float dtype, read once. The noise of row ``r`` at decode step ``s``
-    is Philox keyed by ``seed + s * b + r``; vocabulary column ``c`` takes output ``(c // Q) % 4``
+    is Philox keyed by ``seed + s * b + r`` (``b``: ``sampler.total_rows`` when set, the rows of
+    the whole batch this call samples a share of, its offset already in ``seed``); vocabulary column ``c`` takes output ``(c // Q) % 4``
     of counter ``(c // 4Q) * Q + c % Q`` (``Q = _SAMPLER_BLOCK / 4``), so the draw does not depend
     on how the vocabulary is split across programs.
     """
@@ -571,7 +575,7 @@ def fused_sample(logits: torch.Tensor, sampler: _Sampler, step: torch.Tensor, te
     b, vocab = logits.shape
     greedy = temperature == 0
     m, s, score, idx, z = sampler.partial
-    args = (logits, logits.stride(0), vocab, sampler.split_size, sampler.seed, step, b,
+    args = (logits, logits.stride(0), vocab, sampler.split_size, sampler.seed, step, sampler.total_rows or b,
             _LOG2E if greedy else _LOG2E / temperature, m, s, score, idx, z, sampler.n_splits)
     kernels["partial"][(b, sampler.n_splits)](
         *args, GREEDY=greedy, QUARTER=_SAMPLER_BLOCK // 4, FAST_LOG=libdevice is not None, num_warps=8
@@ -605,6 +609,19 @@ def _make_sampler(b: int, vocab: int, device: torch.device) -> _Sampler:
         tokens=torch.zeros(b, dtype=torch.long, device=device),
         logprobs=torch.zeros(b, **f32),
     )
+
+
+def _checked_rows(rows, b: int) -> tuple[int, int] | None:
+    """``generate``'s ``rows=(start, total)`` for a call of ``b`` rows, checked (None: the whole batch)."""
+    if rows is None:
+        return None
+    from rlkit._checks import is_int
+
+    if not (isinstance(rows, (tuple, list)) and len(rows) == 2 and all(is_int(v) for v in rows)
+            and 0 <= rows[0] and rows[0] + b <= rows[1]):
+        raise ValueError(f"TorchEngine.generate: rows must be (start, total) with 0 <= start and start + {b} <= total "
+                         f"(this call's {b} rows are rows start..start+{b - 1} of a batch of total rows), got {rows!r}")
+    return (int(rows[0]), int(rows[1])) if rows[1] != b else None
 
 
 @dataclass
@@ -665,7 +682,20 @@ class TorchEngine:
     (see the module docstring); ``cache_bucket`` is the cache-length granularity of the graphs,
     and ``prompt_bucket`` (default ``cache_bucket``) the prompt-width granularity of the kept
     graphs and cache (1: pad only to the longest prompt).
+
+    ``generate(..., rows=(start, total))`` samples rows ``[start, start + b)`` of a batch of
+    ``total`` rows: the sampling noise is what one call over the whole batch would draw for them
+    from the same generator state, so prompts split over several generation replicas, each with
+    the same generator, sample what one process samples (:attr:`samples_batch_rows`). The cost:
+    the torch sampler (CPU, top-k/top-p) draws the noise of all ``total`` rows at every step, N
+    times one share's on N replicas; the fused GPU sampler keys each row's counter-based noise by
+    its row in the whole batch and draws nothing more.
     """
+
+    #: ``generate`` takes ``rows=(start, total)`` (read by :func:`rlkit.rollout` to split a batch
+    #: over replicas without changing what each row samples)
+    samples_batch_rows = True
+    _rows: tuple[int, int] | None = None  # the current generate call's rows, see _noise
 
     def __init__(
         self,
@@ -983,9 +1013,16 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ sampling
     def _noise(self, shape, generator: torch.Generator | None) -> torch.Tensor:
+        """``Exp(1)`` draws for this call's ``shape[0]`` rows. Under ``generate(rows=(start, total))``
+        the draws are those of the whole batch of ``total`` rows, of which this call keeps its own:
+        row ``start + i`` gets what one call over the whole batch would give it."""
+        start, total = self._rows if self._rows is not None else (0, shape[0])
+        full = (total, *shape[1:])
         if generator is None or generator.device == self.device:
-            return torch.empty(shape, device=self.device).exponential_(generator=generator)
-        return torch.empty(shape, device=generator.device).exponential_(generator=generator).to(self.device)
+            noise = torch.empty(full, device=self.device).exponential_(generator=generator)
+        else:
+            noise = torch.empty(full, device=generator.device).exponential_(generator=generator).to(self.device)
+        return noise if total == shape[0] else noise[start : start + shape[0]]
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, generator, noise=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(b v) f32 logits -> sampled tokens (b) and their log-probs under the processed distribution
@@ -1272,6 +1309,8 @@ class TorchEngine:
         )
         vocab = self.weights["lm_head.weight"].shape[0]
         sampler = _make_sampler(b, vocab, dev) if fused_sampler else None
+        if sampler is not None and self._rows is not None:
+            sampler.total_rows = self._rows[1]
         return _Plan(key=key, state=state, sampler=sampler, compiled=self._compiled is not None or self._whole_step is not None)
 
     def _reset(self, plan: _Plan, prompt_mask: torch.Tensor) -> None:
@@ -1295,16 +1334,27 @@ class TorchEngine:
         params: SamplingParams,
         *,
         generator: torch.Generator | None = None,
+        rows: tuple[int, int] | None = None,
     ) -> Generation:
         """Sample ``params.n`` responses per prompt (rows prompt-major). See :class:`Generation`.
+
+        ``rows=(start, total)``: these ``len(prompt_ids) * n`` rows are rows ``[start, start + b)``
+        of a batch of ``total`` rows, and each samples what it would in one call over that whole
+        batch with the same ``generator`` (the noise of the whole batch is drawn, this call's rows
+        kept; the fused sampler keys row ``r``'s noise as row ``start + r``). None: the rows are the
+        whole batch.
 
         Decoding runs under ``torch.inference_mode`` (no version counters or view tracking per
         operator: on a 2-core CPU the tiny preset's rollout took 0.91x the time it took under
         ``no_grad``). Everything it allocates stays inside the engine; the returned tensors are
         copied out after it, so they are ordinary tensors that training code may use freely."""
         start = time.perf_counter()
-        with torch.inference_mode():
-            state, metrics = self._generate(prompt_ids, params, generator, start)
+        self._rows = _checked_rows(rows, len(prompt_ids) * params.n)
+        try:
+            with torch.inference_mode():
+                state, metrics = self._generate(prompt_ids, params, generator, start)
+        finally:
+            self._rows = None
         lengths = state.out_mask.sum(-1)
         width = max(int(lengths.max()), 1)
         generated = int(lengths.sum())
@@ -1350,8 +1400,10 @@ class TorchEngine:
         fused_sampler = self._uses_fused_sampler(params)
         stop_ids = () if params.ignore_stop else tuple(sorted(set(params.stop_token_ids)))
         # a kept plan's rotary table serves one longrope regime (short or long factors)
+        # the whole batch's row count keys the fused sampler's noise (baked into captured graphs)
+        total_rows = self._rows[1] if self._rows is not None else 0
         key = (b, p, steps, params.temperature, params.top_k, params.top_p, stop_ids, params.ignore_stop, fused_sampler, graphs,
-               self._rope_regime(rope_length))
+               self._rope_regime(rope_length), total_rows)
         plan = self._plan
         if plan is None or plan.key != key or not graphs:
             self._plan = None  # free the old cache before allocating the new one
@@ -1363,7 +1415,7 @@ class TorchEngine:
         if plan.sampler is not None:
             # one draw from the caller's generator keys all of this call's noise
             seed = torch.randint(0, 2**62, (1,), generator=generator, device=generator.device if generator is not None else self.device)
-            plan.sampler.seed.copy_(seed)
+            plan.sampler.seed.copy_(seed + (self._rows[0] if self._rows is not None else 0))
 
         with torch.profiler.record_function("rlkit.engine.prefill"):  # names the range in a profiler trace
             # Prefill: causal attention among real prompt tokens; a pad query attends to itself only,

@@ -110,11 +110,13 @@ def rollout(
     ``seed`` defaults to ``fold_in(state.seed, state.step)``: the same state samples the same
     responses, and a resumed run samples what the uninterrupted run would on the same number of
     generation replicas. Lowered onto several replicas (``Pipeline.lower()`` on N processes, N/tp
-    with ``tp``, the rollout ranks of a split placement), each replica folds its index into the key
-    (``fold_in(key, "replica", i)``) for its share of the prompts, so sampled responses depend on
-    the number of replicas: N processes sample other responses than one, and a run resumed on
-    another number of processes continues with other samples. Greedy rollouts, and placements
-    with one replica, give one process's tokens. Pass a different
+    with ``tp``, the rollout ranks of a split placement), each replica samples its contiguous share
+    of the prompts with the built-in engine as one process samples those rows
+    (``TorchEngine.generate(rows=...)``: the noise of the whole batch, from the same key), so the
+    responses do not depend on the number of replicas, up to the rounding of the logits over
+    another batch (a near-tie can flip a token). Other engines ("hf", "vllm") sample only their own
+    rows: there each replica folds its index into the key (``fold_in(key, "replica", i)``) and the
+    responses depend on the number of replicas. Pass a different
     seed (``rk.fold_in(state.seed, state.step, attempt)``) to resample within one step.
 
     ``engine``: None (the built-in :class:`rlkit.engines.TorchEngine`), a name ("torch", "hf",
@@ -207,19 +209,25 @@ def default_stop_token_ids(tokenizer, model) -> tuple[int, ...]:
 def _sample_share(state: TrainState, eng: Engine, prompts: Prompts, params: SamplingParams, key: int, dp, decode: bool):
     """Sample this generation replica's contiguous share of the prompts (whole groups) and gather
     every replica's rows into one Batch; returns ``(batch, seconds, engine metrics)``."""
-    start = 0
+    start, rows = 0, {}
     if dp is not None and dp.size > 1:
         if len(prompts) % dp.size:
             raise ValueError(f"{len(prompts)} prompts cannot be split evenly over {dp.size} generation replicas; use a multiple of {dp.size}")
         from rlkit.pipeline import split_prompts
 
+        total = len(prompts) * params.n
         prompts, start = split_prompts(prompts, dp)
-        key = fold_in(key, "replica", dp.rank)
+        if getattr(eng, "samples_batch_rows", False):
+            # every replica keeps the step's key and samples its rows as one process would: the
+            # responses do not depend on how many replicas share the batch
+            rows = {"rows": (start * params.n, total)}
+        else:  # an engine that samples its own rows only: replicas must not draw the same noise
+            key = fold_in(key, "replica", dp.rank)
     device = _engine_device(eng, state)
     gen = generator(key, device=device if device.type in ("cpu", "cuda") else "cpu")
     t0 = time.perf_counter()
     with torch.profiler.record_function("rlkit.engine.generate"):
-        out = eng.generate(prompts.ids, params, generator=gen)
+        out = eng.generate(prompts.ids, params, generator=gen, **rows)
     seconds = time.perf_counter() - t0
     if state._cache.get("release_engine") and hasattr(eng, "release"):
         eng.release()  # colocated roles take turns: training gets the KV-cache memory back

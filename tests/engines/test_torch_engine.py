@@ -269,3 +269,42 @@ def test_speed_64_rows_16_tokens(model, prompts):
         torch.set_num_threads(threads)
     assert gen.response_ids.shape == (64, 16)
     assert seconds < 2.0, f"64 rows x 16 tokens took {seconds:.2f}s (expected well under a second)"
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=1.0, top_p=0.8)])
+@pytest.mark.parametrize("split", [(2, 3), (1, 1, 1, 1, 1)])
+def test_shares_sampled_with_rows_equal_the_whole_batch(model, prompts, sampling, split):
+    """Prompts split over generation replicas: each share, sampled with ``rows=(start, total)`` and
+    a generator in the whole batch's state, samples what the whole batch samples for those rows
+    (the noise of the whole batch is drawn, the share's rows kept), finished-row compaction,
+    uneven prompt widths and several samples per prompt included. Without ``rows`` a share draws
+    the noise of its own rows only, and samples other responses."""
+    assert sum(split) == len(prompts)
+    params = SamplingParams(n=3, max_new_tokens=12, stop_token_ids=(4, 7, 9), **sampling)
+    engine = TorchEngine.from_model(model)
+    whole = engine.generate(prompts, params, generator=torch.Generator().manual_seed(11))
+    total, start, width = len(prompts) * 3, 0, whole.response_ids.shape[1]
+    alone = []
+    for size in split:
+        share = prompts[start : start + size]
+        part = engine.generate(share, params, generator=torch.Generator().manual_seed(11), rows=(start * 3, total))
+        rows = slice(start * 3, (start + size) * 3)
+        w = part.response_ids.shape[1]
+        assert torch.equal(part.response_ids, whole.response_ids[rows, :w]) and not whole.response_mask[rows, w:].any()
+        assert torch.equal(part.response_mask, whole.response_mask[rows, :w])
+        assert torch.equal(part.truncated, whole.truncated[rows])
+        torch.testing.assert_close(part.logprobs, whole.logprobs[rows, :w], rtol=0, atol=1e-5)
+        own = engine.generate(share, params, generator=torch.Generator().manual_seed(11))
+        alone.append(torch.equal(own.response_ids, whole.response_ids[rows, : own.response_ids.shape[1]]))
+        start += size
+    assert not all(alone[1:])  # the later shares, without rows, sample from the start of the noise
+    assert 0 < int(whole.response_mask.sum()) < whole.response_mask.numel()
+    assert width == max(int(m.sum()) for m in whole.response_mask)
+
+
+def test_rows_outside_the_batch_are_refused(model, prompts):
+    engine = TorchEngine.from_model(model)
+    params = SamplingParams(n=2, max_new_tokens=3)
+    for rows in [(9, 10), (-1, 20), (0,), (0.5, 20)]:
+        with pytest.raises(ValueError, match=r"rows must be \(start, total\)"):
+            engine.generate(prompts, params, rows=rows)

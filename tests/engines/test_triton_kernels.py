@@ -87,6 +87,46 @@ def test_draws_do_not_depend_on_the_vocabulary_split_and_change_with_seed_and_st
     assert not torch.equal(a, _sample(logits, 1.0, seed=5, step=4)[0])
 
 
+def test_a_share_of_rows_draws_the_whole_batchs_noise_for_them():
+    """``sampler.total_rows`` and the share's first row added to the seed: rows [2, 5) of a batch of
+    7, sampled alone, draw what the whole batch's call draws for them (replicas splitting a batch
+    sample what one process samples)."""
+    torch.manual_seed(4)
+    logits = torch.randn(7, 9000).to(DEVICE)
+    whole, lp_whole = _sample(logits, 1.0, seed=5, step=3)
+    sampler = te._make_sampler(3, logits.shape[1], DEVICE)
+    sampler.total_rows = 7
+    sampler.seed.fill_(5 + 2)
+    share, lp_share = te.fused_sample(logits[2:5].contiguous(), sampler, torch.tensor(3, device=DEVICE), 1.0)
+    assert torch.equal(share, whole[2:5])
+    torch.testing.assert_close(lp_share, lp_whole[2:5], rtol=0, atol=1e-6)
+    alone, _ = _sample(logits[2:5].contiguous(), 1.0, seed=5, step=3)
+    assert not torch.equal(alone, whole[2:5])  # keyed as rows 0-2 of a batch of 3: other draws
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused sampler and CUDA graphs run on CUDA")
+def test_engine_shares_with_rows_sample_the_whole_batch_with_graphs_and_the_fused_sampler():
+    from rlkit.engines import SamplingParams, TorchEngine
+    from rlkit.models import tiny
+    from rlkit.models.tokenizers import char_tokenizer
+
+    tok = char_tokenizer("0123456789+= abcdefghij")
+    model = tiny(tok, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 initializer_range=0.2).to(DEVICE).eval()
+    prompts = [tok.encode(t) for t in ["12+3=", "7", "abc def gh", "99", "1+1=", "ab"]]
+    params = SamplingParams(n=2, max_new_tokens=12, temperature=1.0, stop_token_ids=(4, 7))
+    engine = TorchEngine.from_model(model)
+    assert engine.cuda_graphs and engine.fused_sampling
+    whole = engine.generate(prompts, params, generator=torch.Generator(DEVICE).manual_seed(9))
+    for start, size in ((0, 2), (2, 4)):
+        for _ in range(2):  # the second call replays the kept graphs
+            part = engine.generate(prompts[start:start + size], params, generator=torch.Generator(DEVICE).manual_seed(9),
+                                   rows=(2 * start, 2 * len(prompts)))
+            w = part.response_ids.shape[1]
+            assert torch.equal(part.response_ids, whole.response_ids[2 * start:2 * (start + size), :w])
+            torch.testing.assert_close(part.logprobs, whole.logprobs[2 * start:2 * (start + size), :w], rtol=0, atol=1e-4)
+
+
 def _rotate(x, cos, sin):
     """transformers' rotary: x cos + rotate_half(x) sin, in float64"""
     half = x.shape[-1] // 2
