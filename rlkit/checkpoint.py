@@ -1180,6 +1180,20 @@ class Checkpointer:
         if _rank() == 0:
             cleanup(self.directory)
 
+    def __getstate__(self) -> dict:
+        """Pickled (``rk.launch(plan, ..., checkpointer=...)`` sends it to the workers): the settings
+        and the record of saves, without this process's own signal state (a ``threading.Event``,
+        which cannot be pickled, and the SIGTERM handler it installed) or the weak reference to the
+        state it last saved; each process arms its own."""
+        fields = dict(self.__dict__)
+        fields.update(_sigterm=None, _previous_handler=None, _installed=False, _preempt_raised=False, _saved=None,
+                      _ranks_agree=False)
+        return fields
+
+    def __setstate__(self, fields: dict) -> None:
+        self.__dict__.update(fields)
+        self._sigterm = threading.Event()
+
     # signals ----------------------------------------------------------------------
     # The handler is installed only around the loop (armed), never at construction: a handler
     # left behind after the loop would swallow every later SIGTERM (it only sets a flag that

@@ -700,6 +700,10 @@ _COLLATERAL = re.compile(
 )
 
 
+#: an exception that reports another rank's failure (rlkit.parallel.shard_reward gathers every rank's error)
+_REPORTS_PEER = re.compile(r"failed on rank (\d+)")
+
+
 #: a traceback ending in one of these: the rank was stopped by the launch's own signals
 _STOPPED = re.compile(r"^(?:[\w.]+\.)?(?:KeyboardInterrupt|SignalException|Preempted|Terminated)\b|^SystemExit: 143\b", re.M)
 
@@ -741,6 +745,12 @@ def _worker_error(run_dir: str, error) -> WorkerError:
     if not failures:
         return WorkerError(-1, str(error))
     own = {r: t for r, (t, text) in written.items() if not _collateral(text)}
+    # a rank that re-raises a peer's failure (rlkit.parallel.shard_reward: "reward 'f' failed on rank
+    # 1: ...") reports it; naming it first named rank 0 for an error of rank 1's own
+    reporters = {r for r in own if (m := _REPORTS_PEER.search(_exception_lines(written[r][1])))
+                 and int(m.group(1)) != r and int(m.group(1)) in own}
+    if reporters and len(reporters) < len(own):
+        own = {r: t for r, t in own.items() if r not in reporters}
     collateral = sorted(r for r in written if r not in own)
     if own:  # a Python exception is the root cause; processes killed afterwards are collateral
         first = min(own, key=lambda r: (own[r], r))

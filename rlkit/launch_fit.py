@@ -11,8 +11,10 @@ run on N processes by naming the plan (or the pipeline) in ``rk.launch`` instead
 
 What happens: the state (its models, optimizers and their moments, schedulers, step, seed and
 extras) is written once to the run directory; each worker joins the process group, loads it,
-lowers the pipeline again on all ranks with the plan's own options (``tp``, ``mixed_precision``,
-``grad_reduce``, ...), shards the state (FSDP2 actor, engine in the generation layout) and runs
+lowers the pipeline again on all ranks with the plan's own options (``mixed_precision``,
+``grad_reduce``, ``release_rollout_memory``, ...) and ``lower=``'s over them (what only exists on
+several processes: ``lower={"tp": 2}``, or ``lower={"placement": {"actor": 2, "rollout": 2}}`` for
+a split placement), shards the state (FSDP2 actor, engine in the generation layout) and runs
 :meth:`rlkit.pipeline.Plan.fit`. At the end the workers save the trained state together
 (torch.distributed.checkpoint) and the caller loads it into its own state, which it returns: the
 notebook goes on with the trained models, optimizer moments and schedule, exactly where the
@@ -39,7 +41,7 @@ from typing import Any
 STATE_FILE = "state.pt"
 RESULT_DIR = "result"
 
-#: fit's keyword arguments that ``rk.launch(plan, ...)`` passes through to the workers
+#: fit's keyword arguments that ``rk.launch(plan, ...)`` passes through to the workers (``lower=`` goes to Pipeline.lower)
 FIT_KEYWORDS = ("sinks", "eval_fn", "eval_every", "checkpointer", "shuffle")
 
 #: what ``emit`` wrote for values JSON has no number for (see ``rlkit.launch._jsonable``)
@@ -54,9 +56,68 @@ def lowering_options(plan) -> dict[str, Any]:
     return {name: getattr(plan, name) for name in names}
 
 
-def _checked(target, args: tuple, kwargs: dict, nnodes, run_dir):
-    """``(pipeline, options, state, prompts, fit_kwargs)`` from ``rk.launch(plan, ...)``'s arguments,
-    each wrong one named before any process starts."""
+def _lowering(options: dict, lower: Any) -> dict[str, Any]:
+    """The plan's lowering ``options`` with ``lower`` (``rk.launch(plan, ..., lower={...})``) over
+    them: keywords of :meth:`rlkit.Pipeline.lower`, applied in the workers, where a tensor-parallel
+    degree or a split placement can exist (``pipe.lower(tp=2)`` in one process is an error).
+    ``placement`` there is None (every role on all ranks) or ``{role: processes}``, which each
+    worker turns into :func:`rlkit.parallel.split_placement`."""
+    from collections.abc import Mapping
+
+    from rlkit.pipeline import Pipeline
+
+    if lower is None:
+        return dict(options)
+    if not isinstance(lower, Mapping):
+        raise TypeError(f"launch: lower must be a dict of Pipeline.lower keywords, e.g. {{'tp': 2}}, got {lower!r}")
+    names = [n for n in inspect.signature(Pipeline.lower).parameters if n != "self"]
+    unknown = sorted(set(lower) - set(names))
+    if unknown:
+        raise TypeError(f"launch: lower={dict(lower)!r}: {', '.join(map(repr, unknown))} is not a keyword of Pipeline.lower "
+                        f"(it takes {', '.join(names)})")
+    placement = lower.get("placement")
+    if placement is not None and not (isinstance(placement, Mapping) and placement
+                                      and all(isinstance(k, str) and isinstance(v, int) and v >= 1 for k, v in placement.items())):
+        raise TypeError("launch: lower['placement'] must be None (every role on all ranks) or a dict of role -> number of "
+                        "processes, e.g. {'actor': 2, 'rollout': 2} (each worker builds split_placement from it; a "
+                        f"DeviceMesh or Placement exists only inside the workers), got {placement!r}")
+    return {**options, **lower}
+
+
+def _world(launch_options: dict) -> int | None:
+    """The number of workers when it is fixed (one machine, or ``nnodes`` without a range), else None."""
+    nnodes = launch_options.get("nnodes", 1)
+    if isinstance(nnodes, str):
+        lo, _, hi = nnodes.partition(":")
+        nnodes = int(lo) if not hi or hi == lo else None
+    return None if nnodes is None else nnodes * launch_options.get("nproc_per_node", 1)
+
+
+def _check_shape(options: dict, batch_size: int, world: int | None) -> None:
+    """What the lowering would refuse in every worker, said here: a placement that does not add up
+    to the processes, a ``tp`` that does not divide them, a batch that the generation replicas
+    cannot split evenly (fit failed at the first rollout, after the workers had started)."""
+    if world is None:
+        return
+    placement, tp = options.get("placement"), options.get("tp", 1) or 1
+    if placement is not None:
+        if sum(placement.values()) != world:
+            raise ValueError(f"launch: lower['placement']={dict(placement)!r} places {sum(placement.values())} process(es); "
+                             f"the launch starts {world}: make them equal")
+        replicas = placement.get("rollout", world)
+    else:
+        if world % tp:
+            raise ValueError(f"launch: lower['tp']={tp} does not divide the {world} process(es) of the launch; use a tp that "
+                             "divides nproc_per_node x nnodes")
+        replicas = world // tp
+    if batch_size % replicas:
+        raise ValueError(f"launch: batch_size={batch_size} prompts cannot be split evenly over the {replicas} generation "
+                         f"replica(s) of {world} process(es); use a multiple of {replicas}")
+
+
+def _checked(target, args: tuple, kwargs: dict, launch_options: dict):
+    """``(pipeline, options, state, prompts, steps, batch_size, fit_kwargs)`` from ``rk.launch(plan,
+    ...)``'s arguments, each wrong one named before any process starts."""
     from rlkit.loop import _check_prompt_lengths, fit
     from rlkit.pipeline import Plan
     from rlkit.state import TrainState
@@ -82,13 +143,15 @@ def _checked(target, args: tuple, kwargs: dict, nnodes, run_dir):
     if "dp" in state._cache or "split" in state._cache:
         raise ValueError("launch: this state is sharded already (plan.shard ran on it on several processes); give the "
                          "state from rk.init or a checkpoint: each worker shards its own copy")
+    kwargs = dict(kwargs)
+    options = _lowering(options, kwargs.pop("lower", None))
     missing = [name for name in ("steps", "batch_size") if name not in kwargs]
     unknown = sorted(set(kwargs) - {"steps", "batch_size", *FIT_KEYWORDS})
     if missing or unknown:
         said = ([f"it needs {' and '.join(missing)} (as plan.fit does)"] if missing else []) + (
             [f"{', '.join(map(repr, unknown))} is not an argument of plan.fit (it takes steps, batch_size, "
              f"{', '.join(FIT_KEYWORDS)})"] if unknown else [])
-        raise TypeError("launch: with a plan, the keywords go to plan.fit: " + "; ".join(said))
+        raise TypeError("launch: with a plan, the keywords go to plan.fit (and lower= to Pipeline.lower): " + "; ".join(said))
     # the same checks fit makes before its first step, here and not after N workers have started
     inspect.signature(fit).bind(state, pipeline.step, pipeline.reward, prompts, **kwargs)
     if not hasattr(prompts, "batch_at"):
@@ -102,11 +165,15 @@ def _checked(target, args: tuple, kwargs: dict, nnodes, run_dir):
 
     int_at_least(kwargs["steps"], "launch: steps", 0, " (the step count to reach)")
     int_at_least(kwargs["batch_size"], "launch: batch_size", 1, " (prompts per step)")
+    if kwargs.get("eval_every") and kwargs.get("eval_fn") is None:
+        raise ValueError(f"launch: eval_every={kwargs['eval_every']} asks for evaluation but eval_fn is None; pass "
+                         "eval_fn=lambda state: {...} or eval_every=0")
+    _check_shape(options, kwargs["batch_size"], _world(launch_options))
     if kwargs["steps"] < state.step:
         raise ValueError(f"launch: steps={kwargs['steps']} is below the state's step {state.step}; the run is already past it")
     if state.step < kwargs["steps"]:
         _check_prompt_lengths(state, pipeline.step, prompts)
-    if nnodes not in (1, "1", "1:1") and run_dir is None:
+    if launch_options.get("nnodes", 1) not in (1, "1", "1:1") and launch_options.get("run_dir") is None:
         raise ValueError("launch: a plan on several machines needs run_dir=, a folder every machine reaches at the same "
                          "path: the workers read the state from it and save the trained state into it")
     fit_kwargs = {k: v for k, v in kwargs.items() if k not in ("steps", "batch_size")}
@@ -155,7 +222,13 @@ def _fit_worker(pipeline, options: dict, state_file: str, prompts, steps: int, b
     state = _rebuilt_optimizers(torch.load(state_file, map_location=where, weights_only=False, mmap=True))
     for role in compiled:  # compiled blocks come out of a pickle eager: compile them as the caller had them
         compile_layers(getattr(state, role))
-    plan = pipeline.lower(**options)
+    options = dict(options)
+    placement = options.pop("placement", None)
+    if placement is not None:  # {role: processes}, as lower= gave it
+        from rlkit.parallel import split_placement
+
+        placement = split_placement(placement)
+    plan = pipeline.lower(placement, **options)
     state = plan.shard(state)
     state, history = plan.fit(state, prompts, steps=steps, batch_size=batch_size, sinks=[_Emit()], **fit_kwargs)
     checkpoint.save(state, result_dir, checksum=False, save_ref=False)
@@ -194,8 +267,7 @@ def launch_fit(target, args: tuple, kwargs: dict, launch_options: dict):
     from rlkit.launch import launch
     from rlkit.observe.sinks import as_sinks, rewind_all
 
-    pipeline, options, state, prompts, steps, batch_size, fit_kwargs = _checked(
-        target, args, kwargs, launch_options.get("nnodes", 1), launch_options.get("run_dir"))
+    pipeline, options, state, prompts, steps, batch_size, fit_kwargs = _checked(target, args, kwargs, launch_options)
     sinks = as_sinks(fit_kwargs.pop("sinks", None), "launch")
     run_dir = os.path.abspath(launch_options.pop("run_dir", None) or tempfile.mkdtemp(prefix="rlkit_run_"))
     os.makedirs(run_dir, exist_ok=True)
@@ -223,11 +295,25 @@ def launch_fit(target, args: tuple, kwargs: dict, launch_options: dict):
 
     on_accelerator = state.device.type != "cpu"
     compiled = tuple(role for role in ("actor", "ref", "critic") if getattr(state, role) is not None and is_compiled(getattr(state, role)))
-    history = launch(_fit_worker, pipeline, options, state_file, prompts, steps, batch_size, fit_kwargs, result_dir,
-                     on_accelerator, compiled, on_metrics=feed, run_dir=run_dir, **launch_options)
+    from rlkit.launch import WorkerError
+
+    try:
+        history = launch(_fit_worker, pipeline, options, state_file, prompts, steps, batch_size, fit_kwargs, result_dir,
+                         on_accelerator, compiled, on_metrics=feed, run_dir=run_dir, **launch_options)
+    except WorkerError as e:
+        if hasattr(e, "add_note"):  # Python 3.11+
+            e.add_note("rk.launch(plan, ...): the state passed in is unchanged (the workers trained copies of it); a state "
+                       "the worker's traceback mentions (exc.state) lived in that worker. To keep a failed run's progress, "
+                       "pass checkpointer=rk.Checkpointer(folder) and resume from that folder")
+        raise
+    finally:
+        if os.path.exists(state_file):  # a copy of the caller's state: as large as the models and optimizer
+            os.remove(state_file)
     trained = checkpoint.latest(result_dir)
     if trained is None:
         raise RuntimeError(f"launch: the workers finished but left no trained state in {result_dir}")
-    state = checkpoint.load(state, trained, checksum=False, load_ref=False)
-    return state, history
+    trained_state = checkpoint.load(state, trained, checksum=False, load_ref=False)
+    state.donate("rlkit.launch", trained_state)  # the old handle's error names the launch, not the load inside it
+    shutil.rmtree(result_dir, ignore_errors=True)  # loaded: the caller holds it now
+    return trained_state, history
 

@@ -439,6 +439,12 @@ def _restore_progress(model, optimizer, scheduler, carried, role: str) -> None:
             if key == "master" and not keeps_master:
                 dropped = True
                 continue
+            if (not keeps_master and torch.is_tensor(value) and value.is_floating_point() and value.shape == param.shape
+                    and value.dtype != param.dtype):
+                # MasterWeightAdamW keeps float32 moments of bf16/fp16 weights; the optimizer of the
+                # shards keeps them in the weights' dtype (torch's fused AdamW refused the mix at the
+                # first step: "expected scalar type BFloat16 but found Float")
+                value = value.to(param.dtype)
             if torch.is_tensor(value) and hasattr(param, "device_mesh") and value.shape == param.shape:
                 from torch.distributed.tensor import distribute_tensor
 

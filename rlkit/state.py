@@ -53,6 +53,8 @@ _USE_INSTEAD = {
     "rlkit.checkpoint.load": ("the checkpoint was loaded into its models and optimizers in place",
                               "Use the state load returned: `state = rlkit.checkpoint.load(template, path)` "
                               "(or `state = checkpointer.resume(template)`)"),
+    "rlkit.launch": ("the workers' trained state was loaded into its models and optimizers in place",
+                     "Use the state the launch returned: `state, history = rk.launch(plan, state, prompts, ...)`"),
 }
 
 _INTERNAL = {"_donation", "_cache", "replace", "donate", "is_donated", "_check"}
@@ -452,19 +454,26 @@ def movable_fraction(model: nn.Module, lr: float, sample: int = 1 << 20) -> floa
 
 
 def _warn_low_precision(model: nn.Module, optimizer, spec: OptimizerSpec, role: str) -> None:
-    """Warn when ``optimizer`` steps bf16/fp16 weights in their own dtype (``master_weights=False``)
-    and most are too large for a step of ``spec.lr`` to change them (:func:`movable_fraction`)."""
+    """Warn when ``model`` trains float16 weights (loss-scaled by :func:`rlkit.update`, but float16's
+    range still overflows), or when ``optimizer`` steps bf16 weights in their own dtype
+    (``master_weights=False``) and most are too large for a step of ``spec.lr`` to change them
+    (:func:`movable_fraction`)."""
     from rlkit.optim import MasterWeightAdamW
 
     master = isinstance(optimizer, MasterWeightAdamW)
     if any(p.requires_grad and p.dtype == torch.float16 for p in model.parameters()):
-        # float16's range, not its rounding, is the problem: rlkit has no loss scaler
+        # rk.update scales float16 losses (rlkit.transforms.update.LossScale); float16's range still
+        # costs what bfloat16's does not, and without master weights its gradients and moments too
         moments = ("" if master else "; and with master_weights=False AdamW's second moment (1-beta2)*g^2 underflows to "
-                   "0 in float16, so steps grow to lr*m/eps, hundreds of times lr")
+                   "0 in float16, so steps grow to lr*m/eps, hundreds of times lr, and the gradients are unscaled in "
+                   "float16, where those below about 6e-8 flush to zero again")
         warnings.warn(
-            f"rk.init: the {role}'s trainable weights are float16, which rk.update trains without loss scaling: gradients "
-            f"below about 6e-8 flush to zero and those below 6e-5 lose precision (float16 subnormals){moments}. Use "
-            "bfloat16 (float32's range at the same memory; model.to(torch.bfloat16)) or float32",
+            f"rk.init: the {role}'s trainable weights are float16. rk.update scales their loss dynamically (from 2**16, "
+            f"kept in state.extras['loss_scale/{role}']), so small gradients survive the backward pass, but float16's "
+            "range still costs: activations above 65504 overflow in the forward pass (a non-finite loss: skipped steps, "
+            "then NonFiniteError), and each gradient overflow while the scale settles skips an optimizer step "
+            f"({role}/loss_scale_overflows){moments}. Use bfloat16 where the GPU has it (float32's range at the same "
+            "memory; model.to(torch.bfloat16)), or float32",
             RuntimeWarning, stacklevel=3,
         )
         return

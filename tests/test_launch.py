@@ -418,3 +418,27 @@ def test_rk_launch_is_callable_and_holds_its_names():
     proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "rlkit.launch", "--nproc-per-node", "0", "x.py"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "RuntimeWarning" not in proc.stderr, proc.stderr
+
+
+def test_a_rank_that_reports_a_peers_reward_failure_is_not_named_as_its_cause(tmp_path):
+    """shard_reward gathers every rank's reward error and raises "failed on rank 1" on rank 0 too;
+    rank 0 wrote its traceback first, so the WorkerError named rank 0 for rank 1's own error."""
+    import os
+    from types import SimpleNamespace
+
+    from rlkit.launch import _worker_error
+
+    errors = tmp_path / "errors"
+    errors.mkdir()
+    (errors / "rank0.txt").write_text("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
+                                      "RuntimeError: reward 'bad' failed on rank 1: RuntimeError: exploded\n")
+    (errors / "rank1.txt").write_text("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
+                                      "RuntimeError: reward 'bad' raised RuntimeError: exploded\n")
+    os.utime(errors / "rank0.txt", (1000, 1000))  # rank 0 first, as in the runs that named it
+    os.utime(errors / "rank1.txt", (2000, 2000))
+    error = _worker_error(str(tmp_path), SimpleNamespace(failures={}))
+    assert error.rank == 1 and sorted(error.failures) == [0, 1]
+    # a rank whose error names itself, or a rank that did not fail, is not a reporter
+    (errors / "rank0.txt").write_text("RuntimeError: reward 'bad' failed on rank 7: boom\n")
+    os.utime(errors / "rank0.txt", (1000, 1000))
+    assert _worker_error(str(tmp_path), SimpleNamespace(failures={})).rank == 0

@@ -39,7 +39,7 @@ NOTEBOOK = textwrap.dedent(
 
     def fresh():
         model = rk.models.tiny(task.tokenizer, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                               num_key_value_heads=1, seed=0)
+                               num_key_value_heads=2, seed=0)    # 2 kv heads: tensor-parallel over 2 ranks too
         return rk.init(model, rk.optim.adamw(lr=1e-2, warmup_steps=2), tokenizer=task.tokenizer)
 
     recipe = rk.recipes.get("grpo").with_(n=4, max_new_tokens=task.max_new_tokens)
@@ -94,8 +94,17 @@ NOTEBOOK = textwrap.dedent(
 
         # the same two steps launched on one process, the third in the notebook again
         keep = Keep()
-        b, hb = rk.launch(plan, fresh(), task.train, steps=2, batch_size=4, nproc_per_node=1, sinks=keep, echo_logs=False)
+        start = fresh()
+        folder = sys.argv[1]
+        b, hb = rk.launch(plan, start, task.train, steps=2, batch_size=4, nproc_per_node=1, sinks=keep, echo_logs=False,
+                          checkpointer=rk.Checkpointer(folder, every=1))
         out["one"] = tensors(b)
+        out["resumed"] = tensors(rk.Checkpointer(folder).resume(fresh()))   # the workers' checkpoints, read here
+        try:
+            start.step
+            out["stale"] = None
+        except rk.DonatedStateError as e:
+            out["stale"] = str(e)
         out["one_history"] = plain(hb)
         out["one_sink"] = [[step, plain([m])[0]] for step, m in keep.rows]
         b, _ = plan.fit(b, task.train, steps=3, batch_size=4)
@@ -105,6 +114,10 @@ NOTEBOOK = textwrap.dedent(
         two, h2 = rk.launch(plan, fresh(), task.train, steps=2, batch_size=4, nproc_per_node=2, echo_logs=False)
         out["two"] = tensors(two)
         out["two_history"] = plain(h2)
+        tp, htp = rk.launch(plan, fresh(), task.train, steps=2, batch_size=4, nproc_per_node=2, echo_logs=False,
+                            lower={"tp": 2})                     # one tensor-parallel generation replica over 2 ranks
+        out["tp"] = tensors(tp)
+        out["tp_history"] = plain(htp)
         ref = rk.launch(by_hand, 2, nproc_per_node=2, echo_logs=False)
         out["by_hand"] = {"params": ref["params"], "moments": ref["moments"], "history": plain(ref["history"])}
 
@@ -118,7 +131,7 @@ NOTEBOOK = textwrap.dedent(
                       echo_logs=False)
             out["error"] = None
         except WorkerError as e:
-            out["error"] = str(e)
+            out["error"], out["error_notes"] = str(e), "\\n".join(getattr(e, "__notes__", []))
         out["kept_same"] = tensors(kept)["params"] == before
         print("RESULT " + json.dumps(out))
     '''
@@ -126,8 +139,9 @@ NOTEBOOK = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def runs():
-    proc = subprocess.run([sys.executable, "-c", NOTEBOOK], capture_output=True, text=True, timeout=600)
+def runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("checkpoints")
+    proc = subprocess.run([sys.executable, "-c", NOTEBOOK, str(folder)], capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(lines[-1][len("RESULT "):])
@@ -143,6 +157,26 @@ def test_one_process_launch_computes_what_plan_fit_does_in_the_notebook(runs):
 
 def test_the_notebook_goes_on_from_the_launched_state_as_if_it_never_left(runs):
     assert runs["one3"] == runs["local3"]
+
+
+def test_a_checkpointer_goes_to_the_workers_and_the_notebook_resumes_from_their_checkpoints(runs):
+    """A Checkpointer holds a threading.Event: pickling it for the workers failed before any started."""
+    assert runs["resumed"] == runs["one"]
+
+
+def test_the_handle_passed_in_names_the_launch_and_what_to_use(runs):
+    assert "donated to rlkit.launch" in runs["stale"] and "rk.launch(plan, state, prompts" in runs["stale"]
+
+
+def test_lower_gives_the_workers_what_exists_only_on_several_processes(runs):
+    """``lower={"tp": 2}``: ``pipe.lower(tp=2)`` is an error in one process; in the workers one
+    tensor-parallel replica over 2 ranks samples what one process samples and trains the same."""
+    import torch
+
+    for key in ("reward/mean", "response/len_mean"):
+        assert [h[key] for h in runs["tp_history"]] == [h[key] for h in runs["local_history"]], key
+    for name, ref in runs["local"]["params"].items():
+        torch.testing.assert_close(torch.tensor(runs["tp"]["params"][name]), torch.tensor(ref), rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_the_callers_sinks_get_every_step_as_the_workers_log_it(runs):
@@ -172,6 +206,7 @@ def test_two_processes_train_what_one_process_trains(runs):
 
 def test_a_failing_worker_leaves_the_callers_state_untouched(runs):
     assert runs["error"] is not None and "the reward broke" in runs["error"]
+    assert "the state passed in is unchanged" in runs["error_notes"]
     assert runs["kept_same"] is True
 
 
@@ -200,10 +235,37 @@ def test_wrong_arguments_are_named_before_any_process_starts(parts, tmp_path, ca
     assert not state.is_donated
 
 
+@pytest.mark.parametrize("kw, message", [
+    (dict(lower=dict(tpp=2)), "'tpp' is not a keyword of Pipeline.lower"),
+    (dict(lower=[("tp", 2)]), "lower must be a dict"),
+    (dict(lower=dict(placement=object())), r"lower\['placement'\] must be None .* or a dict of role -> number"),
+    (dict(lower=dict(placement={"actor": 1, "rollout": 2})), "places 3 process"),
+    (dict(lower=dict(tp=3)), r"lower\['tp'\]=3 does not divide the 2 process"),
+    (dict(batch_size=3), "batch_size=3 prompts cannot be split evenly over the 2 generation replica"),
+    (dict(eval_every=1), "eval_every=1 asks for evaluation but eval_fn is None"),
+])
+def test_what_the_workers_would_refuse_is_named_before_they_start(parts, tmp_path, kw, message):
+    task, state, plan = parts
+    args = dict(steps=1, batch_size=2, nproc_per_node=2, run_dir=str(tmp_path / "run")) | kw
+    with pytest.raises((TypeError, ValueError), match=message):
+        launch(plan, state, task.train, **args)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpointer_pickles_without_its_signal_state(tmp_path):
+    import pickle
+
+    ckpt = rk.Checkpointer(str(tmp_path / "c"), every=3, keep=2)
+    with ckpt.armed():
+        copy = pickle.loads(pickle.dumps(ckpt))
+    assert (copy.directory, copy.every, copy.keep) == (ckpt.directory, 3, 2)
+    assert not copy._installed and not copy._sigterm.is_set()
+
+
 def test_a_prompt_too_long_for_the_context_is_named_before_the_launch(parts, tmp_path):
     task, state, plan = parts
     with pytest.raises(ValueError, match="do not fit|context"):
-        launch(plan, state, ["1" * 100], steps=1, batch_size=1, run_dir=str(tmp_path / "run"))
+        launch(plan, state, ["1" * 100], steps=1, batch_size=2, run_dir=str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
 
 

@@ -613,15 +613,19 @@ def _make_sampler(b: int, vocab: int, device: torch.device) -> _Sampler:
 
 def _checked_rows(rows, b: int) -> tuple[int, int] | None:
     """``generate``'s ``rows=(start, total)`` for a call of ``b`` rows, checked (None: the whole batch)."""
+    given = rows
     if rows is None:
         return None
-    from rlkit._checks import is_int
+    import operator
 
-    if not (isinstance(rows, (tuple, list)) and len(rows) == 2 and all(is_int(v) for v in rows)
-            and 0 <= rows[0] and rows[0] + b <= rows[1]):
+    try:  # ints of any kind: Python, numpy, 0-d integer tensors (not bools, not floats)
+        rows = tuple(operator.index(v) for v in rows if not isinstance(v, bool))
+    except TypeError:
+        rows = ()
+    if not (len(rows) == 2 and 0 <= rows[0] and rows[0] + b <= rows[1]):
         raise ValueError(f"TorchEngine.generate: rows must be (start, total) with 0 <= start and start + {b} <= total "
-                         f"(this call's {b} rows are rows start..start+{b - 1} of a batch of total rows), got {rows!r}")
-    return (int(rows[0]), int(rows[1])) if rows[1] != b else None
+                         f"(this call's {b} rows are rows start..start+{b - 1} of a batch of total rows), got {given!r}")
+    return rows if rows[1] != b else None
 
 
 @dataclass

@@ -79,8 +79,13 @@ def _bf16_worker():
             warnings.simplefilter("always")
             state = rk.Pipeline(rk.recipes.get("grpo"), reward=task.reward).lower().shard(state)
         kept = state.optimizer.state[state.actor.lm_head.weight]
-        return ([str(w.message) for w in caught if "master weights are not kept" in str(w.message)],
-                sorted(kept), torch.equal(kept["exp_avg"].full_tensor().float(), moment))
+        said = [str(w.message) for w in caught if "master weights are not kept" in str(w.message)]
+        keys, dtype = sorted(kept), kept["exp_avg"].dtype
+        same = torch.equal(kept["exp_avg"].full_tensor(), moment.to(torch.bfloat16))  # kept in the weights' dtype
+        # and the sharded optimizer steps with them (torch's fused AdamW refused float32 moments of
+        # bf16 weights: "expected scalar type BFloat16 but found Float", so rk.launch of a stepped bf16 state failed)
+        state, metrics = rk.update(state, _batch(task.tokenizer), max_logprob_gap=None)
+        return said, keys, same, dtype, metrics["actor/grad_norm"]
     finally:
         shutdown()
 
@@ -88,6 +93,7 @@ def _bf16_worker():
 def test_sharding_drops_master_copies_with_a_warning_and_keeps_the_moments():
     from rlkit.parallel.local import run_local
 
-    for said, keys, same in run_local(_bf16_worker, 2, timeout=240, device="cpu"):
+    for said, keys, same, dtype, grad_norm in run_local(_bf16_worker, 2, timeout=240, device="cpu"):
         assert len(said) == 1 and "moments and schedule carry over" in said[0]
-        assert "master" not in keys and "exp_avg" in keys and same
+        assert "master" not in keys and "exp_avg" in keys and same and dtype == torch.bfloat16
+        assert grad_norm > 0
