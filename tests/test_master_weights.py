@@ -159,9 +159,9 @@ def test_spec_checks_eps_and_normalises_betas():
     assert listed == rk.optim.adamw(betas=(0.9, 0.95)) and hash(listed) == hash(rk.optim.adamw(betas=(0.9, 0.95)))
 
 
-def test_fp16_training_warns_that_there_is_no_loss_scaling(tiny_model, char_tok):
+def test_fp16_training_warns_what_float16_still_costs_under_loss_scaling(tiny_model, char_tok):
     fp16 = copy.deepcopy(tiny_model).to(torch.float16)
-    with pytest.warns(RuntimeWarning, match=r"float16, which rk.update trains without loss scaling.*Use bfloat16"):
+    with pytest.warns(RuntimeWarning, match=r"float16\. rk.update scales their loss dynamically.*overflow.*Use bfloat16"):
         rk.init(fp16, rk.optim.adamw(lr=1e-4), tokenizer=char_tok)
     with pytest.warns(RuntimeWarning, match=r"master_weights=False AdamW's second moment"):
         rk.init(copy.deepcopy(fp16), rk.optim.adamw(lr=1e-4, master_weights=False), tokenizer=char_tok)

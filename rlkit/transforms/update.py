@@ -24,10 +24,17 @@ argument is checked before any work. An exception raised once the update is comp
 reports (the log-prob gap ``RuntimeWarning`` under ``warnings.simplefilter("error")`` or pytest's
 ``filterwarnings = error``, Ctrl-C), donates the input to the finished update's new state, which
 the exception carries as ``exc.state`` (its metrics as ``exc.metrics`` when they were complete).
+
+float16 parameters are trained with dynamic loss scaling (:class:`LossScale`, as
+``torch.amp.GradScaler`` does it, but explicit: the scale lives in ``state.extras``): float16's
+smallest number is about 6e-8, and the gradients of a policy loss (an advantage divided by the
+mini-batch's token count, through every layer) fall below it. bfloat16 and float32 parameters have
+float32's range and train unscaled, exactly as without this.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import math
@@ -38,7 +45,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from rlkit._checks import check_token_ids, int_at_least, is_real, positive_finite_or_none
+from rlkit._checks import check_token_ids, int_at_least, is_int, is_real, positive_finite_or_none
 from rlkit.algos.kl import kl_penalty
 from rlkit.algos.losses import POLICY_LOSSES, aggregate, value_loss
 from rlkit.batch import Batch, BatchError, validate
@@ -51,6 +58,111 @@ LossSpec = str | Callable | tuple
 
 class NonFiniteError(FloatingPointError):
     """Too many consecutive updates had a non-finite loss or gradient."""
+
+
+#: dynamic loss scaling of float16 parameters: the first scale (torch.amp.GradScaler's), the
+#: bounds it moves between, and how many consecutive finite optimizer steps double it
+LOSS_SCALE_INIT = 2.0**16
+LOSS_SCALE_MIN = 1.0
+LOSS_SCALE_MAX = 2.0**24
+LOSS_SCALE_GROWTH_INTERVAL = 2000
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScale:
+    """The dynamic loss scale of one trained role (``"actor"``, ``"critic"``) whose parameters
+    include float16 ones, and the finite optimizer steps taken at it since it last changed.
+
+    :func:`update` multiplies each micro-batch's loss by ``scale`` before backward, so gradients
+    that float16 flushes to zero (below 2**-24, about 6e-8) or rounds coarsely (subnormals, below
+    6e-5) are computed ``scale`` times larger, and divides the gradients by it again before
+    clipping and the optimizer step (:func:`_unscaled_gradients`). A gradient that overflowed
+    (inf/nan from a finite loss) skips the step and halves the scale (:meth:`overflowed`, not below
+    ``LOSS_SCALE_MIN``); ``growth_interval`` finite steps in a row double it (:meth:`stepped`, not
+    above ``LOSS_SCALE_MAX``), so it settles just below where gradients overflow. Both numbers live in
+    ``state.extras`` (``"loss_scale/<role>"``, ``"loss_scale/<role>_good_steps"``): a checkpoint
+    keeps them and a resumed run goes on with the scale it had, not 2**16 again."""
+
+    scale: float = LOSS_SCALE_INIT
+    good_steps: int = 0
+
+    def stepped(self, growth_interval: int) -> LossScale:
+        """After a finite optimizer step: doubled once ``growth_interval`` of them ran in a row."""
+        if self.good_steps + 1 >= growth_interval:
+            return LossScale(min(self.scale * 2.0, LOSS_SCALE_MAX), 0)
+        return LossScale(self.scale, self.good_steps + 1)
+
+    def overflowed(self) -> LossScale:
+        """After a step skipped because the scaled gradients overflowed: halved."""
+        return LossScale(max(self.scale / 2.0, LOSS_SCALE_MIN), 0)
+
+    def skipped(self) -> LossScale:
+        """After a step skipped for a non-finite loss: the scale was not the cause; the run of
+        finite steps starts again."""
+        return LossScale(self.scale, 0)
+
+    def extras(self, role: str) -> dict[str, float | int]:
+        """The ``state.extras`` entries that hold it."""
+        return {f"loss_scale/{role}": self.scale, f"loss_scale/{role}_good_steps": self.good_steps}
+
+
+def _loss_scale(state: TrainState, role: str, model: torch.nn.Module) -> LossScale | None:
+    """``role``'s loss scale (from ``state.extras``; a fresh :class:`LossScale` at first) when a
+    trained parameter of ``model`` is float16, else None: bfloat16 and float32 train unscaled."""
+    if not any(p.requires_grad and p.dtype == torch.float16 for p in model.parameters()):
+        return None
+    key = f"loss_scale/{role}"
+    scale = state.extras.get(key, LOSS_SCALE_INIT)
+    good = state.extras.get(f"{key}_good_steps", 0)
+    reset = (f"or drop both entries to start again from 2**16: state = state.replace(extras={{k: v for k, v in "
+             f"state.extras.items() if not k.startswith({key!r})}})")
+    if not is_real(scale) or not LOSS_SCALE_MIN <= scale < math.inf:
+        raise ValueError(f"state.extras[{key!r}] (the {role}'s float16 loss scale) must be a finite number >= "
+                         f"{LOSS_SCALE_MIN:g}, got {scale!r}; set a power of two such as {LOSS_SCALE_INIT:g}, {reset}")
+    if not is_int(good) or good < 0:
+        raise ValueError(f"state.extras[{key + '_good_steps'!r}] (finite steps at the {role}'s loss scale) must be an int "
+                         f">= 0, got {good!r}; set 0, {reset}")
+    return LossScale(float(scale), int(good))
+
+
+@contextlib.contextmanager
+def _unscaled_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scale: float):
+    """Inside: ``model``'s gradients divided by the loss scale ``scale``, the true gradients that
+    clipping, the reported norm, the finite check and the optimizer step must see.
+
+    Divided in float16, a scaled float16 gradient would lose again what the scale saved (a true
+    gradient of 1e-9 is 0 in float16; torch's GradScaler refuses to unscale float16 gradients for
+    this reason). So where the optimizer steps float32 master copies
+    (:class:`rlkit.optim.MasterWeightAdamW`, the default for float16 parameters, which casts each
+    gradient to float32 itself) a float16 parameter's unscaled gradient is float32, which torch
+    allows once the parameter's ``grad_dtype`` is None (set here and left so: autograd still makes
+    float16 gradients for float16 parameters, and that optimizer's own float32 swap needs a free
+    ``grad_dtype``; a pinned one would refuse it). Every other gradient is divided in place, in its
+    own dtype: float32 and bfloat16 have the range, and an optimizer without master copies keeps
+    float16 moments, which could not hold smaller values anyway. On exit the float32 gradients left
+    are put back in their parameter's dtype."""
+    from rlkit.optim import MasterWeightAdamW
+
+    widen = isinstance(optimizer, MasterWeightAdamW)
+    widened = []
+    try:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is None:
+                    continue
+                if widen and p.dtype == torch.float16 and hasattr(p, "grad_dtype"):  # grad_dtype: torch >= 2.9
+                    grad = p.grad.to(torch.float32).div_(scale)
+                    p.grad = None
+                    p.grad_dtype = None
+                    p.grad = grad
+                    widened.append(p)
+                else:
+                    p.grad.div_(scale)
+        yield
+    finally:
+        for p in widened:
+            if p.grad is not None and p.grad.dtype != p.dtype:
+                p.grad = p.grad.to(p.dtype)
 
 
 def _loss_name(fn: Callable) -> str:
@@ -351,6 +463,7 @@ def update(
     max_nonfinite_steps: int = 3,
     max_logprob_gap: float | None = 0.5,
     old: str = "batch",
+    loss_scale_growth_interval: int = LOSS_SCALE_GROWTH_INTERVAL,
 ) -> tuple[TrainState, dict[str, float]]:
     """One update of the actor (and the critic if the state has one and the batch has ``returns``).
 
@@ -383,7 +496,8 @@ def update(
         max_nonfinite_steps: a mini-batch whose loss or gradient is not finite skips its
             optimizer step with a warning (``actor/skipped_steps``, ``critic/skipped_steps``);
             this many in a row (counted across updates, in ``state.extras``, for the actor and
-            the critic apart) raise :class:`NonFiniteError`.
+            the critic apart) raise :class:`NonFiniteError`. Under float16 loss scaling (below) a
+            non-finite gradient from a finite loss is the scale's overflow, not one of these.
         max_logprob_gap: warn when the mean |train - rollout| log-prob gap exceeds it (a
             stale engine, a wrong temperature, a numerics mismatch, or train-mode dropout in the
             actor, which the warning then names); a finite number > 0, or None: never. The gap is
@@ -406,6 +520,30 @@ def update(
             detached. That is exact only while the policy has not moved, i.e. for an update of
             one optimizer step (``epochs=1``, one mini-batch); then it equals a separate
             old-policy pass and saves it (TRL's GRPOTrainer does the same for one iteration).
+        loss_scale_growth_interval: float16 loss scaling (below): the finite optimizer steps in a
+            row after which the scale doubles, a positive int. 2000, torch's GradScaler's: the scale
+            only has to grow back after an overflow halved it, a halved scale still keeps
+            gradients down to 6e-8 / scale, and each attempt that overshoots skips a whole
+            mini-batch of rollouts, dearer in RL than a supervised batch.
+
+    float16 loss scaling: when a trained parameter of the actor (of the critic, when it trains) is
+    float16, each micro-batch's loss is multiplied by the role's loss scale ``S``
+    (:class:`LossScale`, from ``state.extras["loss_scale/actor"]``, 2**16 at first) before
+    backward, and the gradients are divided by ``S`` before clipping and the optimizer step
+    (float32 gradients for an optimizer with master weights, the default; see
+    :func:`_unscaled_gradients`), so clipping, ``actor/grad_norm`` and the step see the true
+    gradients. A mini-batch whose loss is finite but whose gradients are not has overflowed the
+    scale: its step is skipped silently, ``S`` halves (the next mini-batch uses the new scale),
+    ``actor/loss_scale_overflows`` counts it, and it counts neither in ``actor/skipped_steps`` nor
+    towards ``max_nonfinite_steps`` (the streak neither grows nor resets: overflows are how the
+    scale finds its level). A non-finite loss is not the scale's doing and takes the path above
+    (warning, streak, :class:`NonFiniteError`), leaving ``S`` as it is; so does an overflow at
+    ``S = 1``, where nothing is scaled any more. ``loss_scale_growth_interval`` finite steps in a
+    row double ``S`` (up to 2**24). Under data parallelism the gradient norm is global and the
+    losses' finiteness is agreed by a collective, so every rank skips or steps, and scales, alike.
+    The metrics add ``actor/loss_scale`` (the scale after the update, the next one's) and
+    ``actor/loss_scale_overflows``, and the same for the critic, only when scaling is on; the
+    reported grad norm averages over the steps that did not overflow.
 
     A policy loss (a callable of your own included) returns ``(loss, metrics)``: ``loss`` a 0-d
     tensor, ``metrics`` a dict of 0-d tensors or numbers (``{}`` for none); anything else is a
@@ -446,6 +584,8 @@ def update(
     positive_finite_or_none(max_logprob_gap, "max_logprob_gap", "never warn")
     # a YAML string failed at the first skipped step, after the state was donated
     int_at_least(max_nonfinite_steps, "max_nonfinite_steps", 1, " (skipped steps in a row before NonFiniteError)")
+    int_at_least(loss_scale_growth_interval, "loss_scale_growth_interval", 1,
+                 f" (finite float16 steps in a row before the loss scale doubles; GradScaler's is {LOSS_SCALE_GROWTH_INTERVAL})")
     check_batch_context(state.actor, batch, "rk.update")
     keys = set(batch.keys())
     old_key = "old_logprobs" if "old_logprobs" in keys else "logprobs"
@@ -490,6 +630,9 @@ def update(
         with _quiet_temperature_warning("rk.compute_ref_logprobs"):  # update warned about its temperature above
             batch = compute_ref_logprobs(state, batch, temperature=temperature, micro_batch_size=micro_batch_size)
     train_critic = state.critic is not None and "returns" in keys
+    # float16 roles' loss scales (None: not float16, trained unscaled); read, and checked, before any work
+    actor_scale = _loss_scale(state, "actor", state.actor)
+    critic_scale = _loss_scale(state, "critic", state.critic) if train_critic else None
     if train_critic and "values" not in keys:
         from rlkit.transforms.forward import compute_values
 
@@ -562,6 +705,7 @@ def update(
     streak = int(state.extras.get("nonfinite_streak", 0))
     critic_skipped = 0
     critic_streak = int(state.extras.get("critic_nonfinite_streak", 0))
+    overflows = critic_overflows = 0  # steps skipped because the float16 loss scale overflowed
     gap_abs = gap_max = None
     gap_tokens = 0.0  # this rank's response tokens the gap was measured over
     # the ratio's old log-probs from the batch's old_logprobs (given, not update's own recompute of
@@ -608,6 +752,10 @@ def update(
                     minis_trained += 1
                     optimizer.zero_grad(set_to_none=True)
                     mini_loss = 0.0  # this mini-batch's loss: a non-finite one skips its optimizer step only
+                    critic_mini_loss = 0.0  # the critic's, read only under loss scaling (overflow or non-finite loss)
+                    # the unscaled path multiplies by exactly what it always did: bfloat16/float32 stay bit-identical
+                    actor_mult = grad_scale * actor_scale.scale if actor_scale is not None else grad_scale
+                    critic_mult = grad_scale * critic_scale.scale if critic_scale is not None else grad_scale
                     if train_critic:
                         state.critic_optimizer.zero_grad(set_to_none=True)
                     for u0 in range(0, local_mini, micro):
@@ -666,21 +814,34 @@ def update(
                                 old_abs = odiff.sum().double() + (0.0 if old_abs is None else old_abs)
                                 old_tokens = old_tokens + rows["response_mask"].sum()
                             mini_loss = mini_loss + total.detach()
-                            (total * grad_scale).backward()
+                            (total * actor_mult).backward()
                             if train_critic:
                                 values = values_for_response(critic_module, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mask,
                                                              view=rows_view(critic_module, rows, device))
                                 vf_loss, vf_metrics = value_loss(values, mb["values"], mb["returns"], mask, cliprange_value=value_clip, agg=term_agg, **norm)
-                                (critic_coef * vf_loss * grad_scale).backward()
+                                (critic_coef * vf_loss * critic_mult).backward()
+                                if critic_scale is not None:
+                                    critic_mini_loss = critic_mini_loss + vf_loss.detach()
                                 record("critic/vf_loss", vf_loss, 1.0)
                                 for k, v in vf_metrics.items():
                                     record(f"critic/{k}", v, frac)
-                    with torch.profiler.record_function("rlkit.update.optimizer"):
+                    # under loss scaling: whether each scaled role's loss is finite on every rank (one
+                    # collective), so that all ranks tell an overflow from a non-finite loss alike
+                    loss_ok = _losses_finite([mini_loss if actor_scale is not None else None,
+                                              critic_mini_loss if critic_scale is not None else None], state, device)
+                    with torch.profiler.record_function("rlkit.update.optimizer"), \
+                            _maybe_unscaled(actor, optimizer, actor_scale):
                         grad_norm = _clip(actor, max_grad_norm)
-                        record("actor/grad_norm", grad_norm)
                         # this mini-batch's own loss, not the running metric sum: one bad mini-batch used to
                         # make every later one of the update look non-finite and skip its step
-                        finite = bool(torch.isfinite(torch.as_tensor(grad_norm)) & torch.isfinite(torch.as_tensor(mini_loss)))
+                        if actor_scale is None:
+                            finite = bool(torch.isfinite(torch.as_tensor(grad_norm)) & torch.isfinite(torch.as_tensor(mini_loss)))
+                            overflow = False
+                        else:
+                            finite = loss_ok[0] and bool(torch.isfinite(torch.as_tensor(grad_norm)))
+                            overflow = not finite and loss_ok[0] and actor_scale.scale > LOSS_SCALE_MIN
+                        if not overflow:  # an overflow's norm is inf: it would make the update's average inf
+                            record("actor/grad_norm", grad_norm)
                         if finite:
                             lr_used = optimizer.param_groups[0]["lr"]  # the scheduler moves it on below
                             in_place = True
@@ -688,10 +849,19 @@ def update(
                             state.scheduler.step()
                             streak = 0
                             steps_done += 1
+                            if actor_scale is not None:
+                                actor_scale = actor_scale.stepped(loss_scale_growth_interval)
+                        elif overflow:
+                            # the scale's business, not the model's: halve it and skip, silently
+                            optimizer.zero_grad(set_to_none=True)
+                            overflows += 1
+                            actor_scale = actor_scale.overflowed()
                         else:
                             optimizer.zero_grad(set_to_none=True)
                             skipped += 1
                             streak += 1
+                            if actor_scale is not None:
+                                actor_scale = actor_scale.skipped()
                             warnings.warn(f"rlkit.update: non-finite loss or gradient at step {state.step} (mini-batch {m0 // mini}); optimizer step skipped ({streak} in a row)", RuntimeWarning, stacklevel=2)
                             if streak >= max_nonfinite_steps:
                                 raise NonFiniteError(
@@ -699,26 +869,41 @@ def update(
                                     "lower the learning rate, check rewards/advantages for extreme values, or enable gradient clipping"
                                 )
                     if train_critic:
-                        c_norm = _clip(state.critic, max_grad_norm)
-                        record("critic/grad_norm", c_norm)
-                        if bool(torch.isfinite(torch.as_tensor(c_norm))):
-                            in_place = True
-                            state.critic_optimizer.step()
-                            state.critic_scheduler.step()
-                            critic_streak = 0
-                        else:
-                            # as the actor's: a critic that went NaN was skipped silently, every step
-                            state.critic_optimizer.zero_grad(set_to_none=True)
-                            critic_skipped += 1
-                            critic_streak += 1
-                            warnings.warn(f"rlkit.update: non-finite critic loss or gradient at step {state.step} (mini-batch {m0 // mini}); "
-                                          f"critic optimizer step skipped ({critic_streak} in a row)", RuntimeWarning, stacklevel=2)
-                            if critic_streak >= max_nonfinite_steps:
-                                raise NonFiniteError(
-                                    f"{critic_streak} consecutive updates had a non-finite critic loss or gradient (last at step {state.step}); "
-                                    "check the returns and values for extreme values (value_clip), lower the critic's learning rate "
-                                    "(critic_optimizer) or critic_coef, or enable gradient clipping"
-                                )
+                        with _maybe_unscaled(state.critic, state.critic_optimizer, critic_scale):
+                            c_norm = _clip(state.critic, max_grad_norm)
+                            c_finite = bool(torch.isfinite(torch.as_tensor(c_norm)))
+                            c_overflow = False
+                            if critic_scale is not None:
+                                c_finite = c_finite and loss_ok[1]
+                                c_overflow = not c_finite and loss_ok[1] and critic_scale.scale > LOSS_SCALE_MIN
+                            if not c_overflow:
+                                record("critic/grad_norm", c_norm)
+                            if c_finite:
+                                in_place = True
+                                state.critic_optimizer.step()
+                                state.critic_scheduler.step()
+                                critic_streak = 0
+                                if critic_scale is not None:
+                                    critic_scale = critic_scale.stepped(loss_scale_growth_interval)
+                            elif c_overflow:
+                                state.critic_optimizer.zero_grad(set_to_none=True)
+                                critic_overflows += 1
+                                critic_scale = critic_scale.overflowed()
+                            else:
+                                # as the actor's: a critic that went NaN was skipped silently, every step
+                                state.critic_optimizer.zero_grad(set_to_none=True)
+                                critic_skipped += 1
+                                critic_streak += 1
+                                if critic_scale is not None:
+                                    critic_scale = critic_scale.skipped()
+                                warnings.warn(f"rlkit.update: non-finite critic loss or gradient at step {state.step} (mini-batch {m0 // mini}); "
+                                              f"critic optimizer step skipped ({critic_streak} in a row)", RuntimeWarning, stacklevel=2)
+                                if critic_streak >= max_nonfinite_steps:
+                                    raise NonFiniteError(
+                                        f"{critic_streak} consecutive updates had a non-finite critic loss or gradient (last at step {state.step}); "
+                                        "check the returns and values for extreme values (value_clip), lower the critic's learning rate "
+                                        "(critic_optimizer) or critic_coef, or enable gradient clipping"
+                                    )
         finally:
             if defer_sync:
                 for module in trained:
@@ -730,7 +915,9 @@ def update(
             step=state.step + 1,
             policy_version=state.policy_version + (1 if steps_done else 0),
             extras={**state.extras, "nonfinite_streak": streak,
-                    **({"critic_nonfinite_streak": critic_streak} if train_critic else {})},
+                    **({"critic_nonfinite_streak": critic_streak} if train_critic else {}),
+                    **(actor_scale.extras("actor") if actor_scale is not None else {}),
+                    **(critic_scale.extras("critic") if critic_scale is not None else {})},
         )
         # the mini-batches that recorded metrics: an all-empty one skipped above recorded none, and
         # counting it (epochs * b // mini) diluted every average
@@ -763,6 +950,11 @@ def update(
         metrics["actor/skipped_steps"] = float(skipped)
         if train_critic:
             metrics["critic/skipped_steps"] = float(critic_skipped)
+        # after _reduce_metrics, which sums over ranks: every rank holds the same scale
+        for role, scale, count in (("actor", actor_scale, overflows), ("critic", critic_scale, critic_overflows)):
+            if scale is not None:
+                metrics[f"{role}/loss_scale"] = scale.scale
+                metrics[f"{role}/loss_scale_overflows"] = float(count)
         # no "step" metric: the step is the state's (new_state.step), and sinks log it as their own
         # step argument; as a float metric it shadowed that step in the rows and Prometheus refused it
         if split is not None:
@@ -852,3 +1044,27 @@ def _clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor | floa
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return norm  # a 0-d tensor on the device: update reads it with the other metrics
+
+
+def _maybe_unscaled(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scale: LossScale | None):
+    """:func:`_unscaled_gradients` of ``model`` under loss scaling, else nothing."""
+    return contextlib.nullcontext() if scale is None else _unscaled_gradients(model, optimizer, scale.scale)
+
+
+def _losses_finite(losses: list, state: TrainState, device: torch.device) -> list[bool]:
+    """Whether each of ``losses`` (0-d tensors or numbers; None: not asked, answered True) is finite
+    on every data-parallel rank. Loss scaling tells an overflow (finite loss, non-finite gradient)
+    from a non-finite loss by it; the gradient norm is already global, but a loss is this rank's
+    part, and ranks that told them apart differently would scale differently, and one would raise
+    NonFiniteError while the others waited in a collective. No work without loss scaling."""
+    asked = [i for i, loss in enumerate(losses) if loss is not None]
+    answers = [True] * len(losses)
+    if not asked:
+        return answers
+    bad = torch.stack([(~torch.isfinite(torch.as_tensor(losses[i], device=device))).to(torch.float32) for i in asked])
+    dp = _dp(state)
+    if dp is not None and dp.size > 1:
+        bad = _global_sum(bad, state)
+    for i, flag in zip(asked, bad.tolist()):
+        answers[i] = flag == 0
+    return answers
