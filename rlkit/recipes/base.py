@@ -83,6 +83,8 @@ class Recipe:
     micro_batch_size: int | None = None
     epochs: int = 1
     max_grad_norm: float | None = 1.0
+    #: float16 weights: finite optimizer steps before the loss scale doubles (``rk.update``'s keyword)
+    loss_scale_growth_interval: int = 2000
     engine: str | None = None
     #: weights of several reward functions (``rk.score``'s ``weights``): a list, one per function
     #: in the reward's order, or a ``{name: weight}`` dict naming them all; None: 1 each
@@ -193,7 +195,8 @@ class Recipe:
         An aggregation of your own that takes ``horizon`` (or ``**kwargs``) gets the same constant."""
         return dict(loss=self.loss, loss_kw=self.loss_kw, agg=self.agg, horizon=self._horizon(), kl=self.kl, entropy_coef=self.entropy_coef,
                     temperature=self.temperature, mini_batch_size=self.mini_batch_size,
-                    micro_batch_size=self.micro_batch_size, epochs=self.epochs, max_grad_norm=self.max_grad_norm)
+                    micro_batch_size=self.micro_batch_size, epochs=self.epochs, max_grad_norm=self.max_grad_norm,
+                    loss_scale_growth_interval=self.loss_scale_growth_interval)
 
     def _horizon(self) -> int | None:
         """``max_new_tokens`` for an aggregation that reads ``horizon``, else None (the update's default).

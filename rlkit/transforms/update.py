@@ -107,18 +107,22 @@ class LossScale:
 
 
 def _loss_scale(state: TrainState, role: str, model: torch.nn.Module) -> LossScale | None:
-    """``role``'s loss scale (from ``state.extras``; a fresh :class:`LossScale` at first) when a
-    trained parameter of ``model`` is float16, else None: bfloat16 and float32 train unscaled."""
-    if not any(p.requires_grad and p.dtype == torch.float16 for p in model.parameters()):
+    """``role``'s loss scale (from ``state.extras``; a fresh :class:`LossScale` at first) when
+    ``model`` trains and holds float16 parameters, trained or frozen, else None: bfloat16 and
+    float32 train unscaled. Frozen ones count: float32 adapters on a frozen float16 base (PEFT's
+    default layout) get their gradients through float16 activations, which underflow alike."""
+    params = list(model.parameters())
+    if not any(p.requires_grad for p in params) or not any(p.dtype == torch.float16 for p in params):
         return None
     key = f"loss_scale/{role}"
     scale = state.extras.get(key, LOSS_SCALE_INIT)
     good = state.extras.get(f"{key}_good_steps", 0)
     reset = (f"or drop both entries to start again from 2**16: state = state.replace(extras={{k: v for k, v in "
              f"state.extras.items() if not k.startswith({key!r})}})")
-    if not is_real(scale) or not LOSS_SCALE_MIN <= scale < math.inf:
-        raise ValueError(f"state.extras[{key!r}] (the {role}'s float16 loss scale) must be a finite number >= "
-                         f"{LOSS_SCALE_MIN:g}, got {scale!r}; set a power of two such as {LOSS_SCALE_INIT:g}, {reset}")
+    if not is_real(scale) or not LOSS_SCALE_MIN <= scale <= LOSS_SCALE_MAX:
+        raise ValueError(f"state.extras[{key!r}] (the {role}'s float16 loss scale) must be a number from "
+                         f"{LOSS_SCALE_MIN:g} to 2**24 (the most it grows to), got {scale!r}; set a power of two such as "
+                         f"{LOSS_SCALE_INIT:g}, {reset}")
     if not is_int(good) or good < 0:
         raise ValueError(f"state.extras[{key + '_good_steps'!r}] (finite steps at the {role}'s loss scale) must be an int "
                          f">= 0, got {good!r}; set 0, {reset}")
@@ -526,8 +530,8 @@ def update(
             gradients down to 6e-8 / scale, and each attempt that overshoots skips a whole
             mini-batch of rollouts, dearer in RL than a supervised batch.
 
-    float16 loss scaling: when a trained parameter of the actor (of the critic, when it trains) is
-    float16, each micro-batch's loss is multiplied by the role's loss scale ``S``
+    float16 loss scaling: when the actor (the critic, when it trains) holds float16 parameters,
+    trained or frozen (float32 adapters on a frozen float16 base too), each micro-batch's loss is multiplied by the role's loss scale ``S``
     (:class:`LossScale`, from ``state.extras["loss_scale/actor"]``, 2**16 at first) before
     backward, and the gradients are divided by ``S`` before clipping and the optimizer step
     (float32 gradients for an optimizer with master weights, the default; see

@@ -149,7 +149,8 @@ def test_the_scale_doubles_after_growth_interval_finite_steps(tiny_model, char_t
 @pytest.mark.parametrize("kw,match", [
     (dict(loss_scale_growth_interval=0), r"loss_scale_growth_interval must be a positive int .*got 0"),
     (dict(loss_scale_growth_interval=2.5), r"loss_scale_growth_interval must be a positive int .*got 2\.5"),
-    (dict(extras={"loss_scale/actor": 0.5}), r"state\.extras\['loss_scale/actor'\] .*must be a finite number >= 1, got 0\.5"),
+    (dict(extras={"loss_scale/actor": 0.5}), r"state\.extras\['loss_scale/actor'\] .*must be a number from 1 to 2\*\*24 .*got 0\.5"),
+    (dict(extras={"loss_scale/actor": 2.0**30}), r"state\.extras\['loss_scale/actor'\] .*from 1 to 2\*\*24"),
     (dict(extras={"loss_scale/actor": float("nan")}), r"state\.extras\['loss_scale/actor'\]"),
     (dict(extras={"loss_scale/actor_good_steps": -1}), r"state\.extras\['loss_scale/actor_good_steps'\] .*int >= 0, got -1"),
 ])
@@ -230,3 +231,53 @@ def test_float16_without_master_weights_is_scaled_and_unscaled_in_place(tiny_mod
     assert 0 < metrics["actor/grad_norm"] < 100
     after = _params(state.actor)
     assert all(torch.isfinite(v).all() for v in after.values()) and any(not torch.equal(before[k], after[k]) for k in before)
+
+
+class _Adapter(torch.nn.Module):
+    """A LoRA-style float32 adapter over a frozen linear layer (PEFT keeps adapters in float32)."""
+
+    def __init__(self, base, r=4):
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.base = base
+        self.A = torch.nn.Parameter(torch.randn(base.in_features, r, generator=g) * 0.1)
+        self.B = torch.nn.Parameter(torch.randn(r, base.out_features, generator=g) * 0.1)
+
+    def forward(self, x):
+        return self.base(x) + (x.to(self.A.dtype) @ self.A @ self.B).to(x.dtype)
+
+
+def _adapted(model, dtype):
+    model = copy.deepcopy(model).to(dtype).requires_grad_(False)
+    attn = model.model.layers[0].self_attn
+    attn.q_proj = _Adapter(attn.q_proj)
+    return model
+
+
+def test_float32_adapters_on_a_frozen_float16_base_are_scaled(tiny_model, char_tok):
+    """PEFT's default layout: a frozen float16 model, float32 trainable adapters. Their gradients
+    pass through float16 activations and flushed to zero unscaled, while scaling was decided by
+    the trained parameters' dtype alone (none float16: no scale)."""
+    base = copy.deepcopy(tiny_model).half().float()  # weights float16 can hold: the two runs start equal
+    fp16, reference = _adapted(base, torch.float16), _adapted(base, torch.float32)
+    batch = _batch(reference, advantage_scale=1e-5)
+    spec = rk.optim.adamw(lr=1e-3, weight_decay=0.0)
+    grads = {}
+    for name, model in (("reference", reference), ("fp16", fp16)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            state, metrics = rk.update(rk.init(model, spec, tokenizer=char_tok), batch, max_logprob_gap=None, max_grad_norm=None)
+        grads[name] = torch.cat([p.grad.flatten().float() for p in state.actor.parameters() if p.requires_grad])
+        grads[name + "_metrics"] = metrics
+    assert all(p.dtype == torch.float32 for p in fp16.parameters() if p.requires_grad)
+    assert grads["fp16_metrics"]["actor/loss_scale"] == LOSS_SCALE_INIT
+    assert "actor/loss_scale" not in grads["reference_metrics"]
+    # unscaled: 78% error, 9% of the entries flushed to exactly 0
+    assert (grads["fp16"] == 0).float().mean() < 0.01
+    assert (grads["fp16"] - grads["reference"]).norm() / grads["reference"].norm() < 0.05
+
+
+def test_recipes_pass_the_growth_interval_to_update(tiny_model, char_tok):
+    recipe = rk.recipes.get("grpo", loss_scale_growth_interval=3)
+    assert recipe.update_kwargs()["loss_scale_growth_interval"] == 3
+    assert rk.recipes.get("grpo").update_kwargs()["loss_scale_growth_interval"] == 2000
