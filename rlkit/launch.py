@@ -540,7 +540,8 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if _launched_plan(fn) is None and not callable(fn):
+    plan = _launched_plan(fn)
+    if plan is None and not callable(fn):
         raise TypeError(f"launch: fn must be a callable, got {type(fn).__name__}")
     _check_launch_args(nproc_per_node, nnodes, rdzv_endpoint, rdzv_backend, max_restarts, on_metrics, run_dir, run_id)
     min_nodes, max_nodes = _parse_nnodes(nnodes)
@@ -549,10 +550,10 @@ def launch(
             f"launch: nnodes={nnodes} needs rdzv_endpoint='HOST:PORT' (a reachable address of one of the machines, "
             "the same on all of them)"
         )
-    if _launched_plan(fn) is not None:
+    if plan is not None:
         from rlkit.launch_fit import launch_fit
 
-        return launch_fit(fn, args, kwargs, dict(nproc_per_node=nproc_per_node, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
+        return launch_fit(plan, args, kwargs, dict(nproc_per_node=nproc_per_node, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
                                                  rdzv_backend=rdzv_backend, max_restarts=max_restarts, on_metrics=on_metrics,
                                                  run_dir=run_dir, run_id=run_id, echo_logs=echo_logs))
     run_dir = os.path.abspath(run_dir or tempfile.mkdtemp(prefix="rlkit_run_"))

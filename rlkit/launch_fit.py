@@ -118,7 +118,7 @@ def _check_shape(options: dict, batch_size: int, world: int | None) -> None:
 def _checked(target, args: tuple, kwargs: dict, launch_options: dict):
     """``(pipeline, options, state, prompts, steps, batch_size, fit_kwargs)`` from ``rk.launch(plan,
     ...)``'s arguments, each wrong one named before any process starts."""
-    from rlkit.loop import _check_prompt_lengths, fit
+    from rlkit.loop import _check_prompt_lengths, _checked_run, fit
     from rlkit.pipeline import Plan
     from rlkit.state import TrainState
 
@@ -154,23 +154,11 @@ def _checked(target, args: tuple, kwargs: dict, launch_options: dict):
         raise TypeError("launch: with a plan, the keywords go to plan.fit (and lower= to Pipeline.lower): " + "; ".join(said))
     # the same checks fit makes before its first step, here and not after N workers have started
     inspect.signature(fit).bind(state, pipeline.step, pipeline.reward, prompts, **kwargs)
-    if not hasattr(prompts, "batch_at"):
-        from rlkit.data import load_prompts
-
-        if state.tokenizer is None:
-            raise TypeError(f"launch: prompts is a {type(prompts).__name__} and the state has no tokenizer to read it "
-                            "with; pass rk.load_prompts(prompts, tokenizer), or rk.init(..., tokenizer=...)")
-        prompts = load_prompts(prompts, state.tokenizer)  # read once here, not once per worker
     from rlkit._checks import int_at_least
 
     int_at_least(kwargs["steps"], "launch: steps", 0, " (the step count to reach)")
-    int_at_least(kwargs["batch_size"], "launch: batch_size", 1, " (prompts per step)")
-    if kwargs.get("eval_every") and kwargs.get("eval_fn") is None:
-        raise ValueError(f"launch: eval_every={kwargs['eval_every']} asks for evaluation but eval_fn is None; pass "
-                         "eval_fn=lambda state: {...} or eval_every=0")
+    prompts = _checked_run(state, prompts, kwargs["steps"], kwargs["batch_size"], kwargs.get("eval_every", 0), kwargs.get("eval_fn"))
     _check_shape(options, kwargs["batch_size"], _world(launch_options))
-    if kwargs["steps"] < state.step:
-        raise ValueError(f"launch: steps={kwargs['steps']} is below the state's step {state.step}; the run is already past it")
     if state.step < kwargs["steps"]:
         _check_prompt_lengths(state, pipeline.step, prompts)
     if launch_options.get("nnodes", 1) not in (1, "1", "1:1") and launch_options.get("run_dir") is None:
@@ -251,7 +239,7 @@ def _rebuilt_optimizers(state):
         new_opt.load_state_dict(opt.state_dict())
         if sched is not None and new_sched is not None:
             new_sched.load_state_dict(sched.state_dict())
-        changes.update({names[0]: new_opt, names[1]: new_sched if sched is not None else sched})
+        changes.update({names[0]: new_opt, names[1]: new_sched if sched is not None else None})
     return state.replace(**changes) if changes else state
 
 
@@ -264,7 +252,8 @@ def launch_fit(target, args: tuple, kwargs: dict, launch_options: dict):
     import torch
 
     from rlkit import checkpoint
-    from rlkit.launch import launch
+    from rlkit.launch import WorkerError, launch, print_metrics
+    from rlkit.models.compile import is_compiled
     from rlkit.observe.sinks import as_sinks, rewind_all
 
     pipeline, options, state, prompts, steps, batch_size, fit_kwargs = _checked(target, args, kwargs, launch_options)
@@ -287,16 +276,10 @@ def launch_fit(target, args: tuple, kwargs: dict, launch_options: dict):
         rewind_all(sinks, state.step)  # a resumed state: the sinks drop the steps this run redoes, as in fit
     on_metrics = launch_options.pop("on_metrics", None)
     if on_metrics is None and not sinks:
-        from rlkit.launch import print_metrics
-
         on_metrics = print_metrics  # launch's default: one line per step
     feed = _Feed(sinks, on_metrics)
-    from rlkit.models.compile import is_compiled
-
     on_accelerator = state.device.type != "cpu"
     compiled = tuple(role for role in ("actor", "ref", "critic") if getattr(state, role) is not None and is_compiled(getattr(state, role)))
-    from rlkit.launch import WorkerError
-
     try:
         history = launch(_fit_worker, pipeline, options, state_file, prompts, steps, batch_size, fit_kwargs, result_dir,
                          on_accelerator, compiled, on_metrics=feed, run_dir=run_dir, **launch_options)

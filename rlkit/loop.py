@@ -83,17 +83,7 @@ def fit(
     """
     state, recipe, sinks = _check_fit_args(state, recipe, reward, steps, sinks, checkpointer)
     history: list[dict[str, float]] = []
-    if steps < state.step:
-        raise ValueError(f"steps={steps} is below the state's step {state.step}; the run is already past it")
-    int_at_least(batch_size, "batch_size", 1, " (prompts per step)")
-    int_at_least(eval_every, "eval_every", 0, " (0: no evaluation)")
-    if eval_every and eval_fn is None:
-        raise ValueError(f"eval_every={eval_every} asks for evaluation but eval_fn is None; pass eval_fn=lambda state: {{...}} or eval_every=0")
-    if not hasattr(prompts, "batch_at"):
-        if state.tokenizer is None:
-            raise TypeError(f"prompts is a {type(prompts).__name__} and the state has no tokenizer to read it with; "
-                            "pass rk.load_prompts(prompts, tokenizer), or rk.init(..., tokenizer=...)")
-        prompts = load_prompts(prompts, state.tokenizer)
+    prompts = _checked_run(state, prompts, steps, batch_size, eval_every, eval_fn)
     # every rank of a lowered state must run fit with the same settings (one all-gather per call;
     # a no-op on one process): a batch_size, steps or lr given to one rank only trained silently or hung
     from rlkit.parallel.agree import check_fit_agrees
@@ -309,6 +299,24 @@ def _check_same_prompts(state, prompts, position: int) -> str | None:
             f"on at batch {position} of the new set. If that is not what you meant, pass the run's own prompts, or start the "
             f"data over with state.replace(data_position=0)", RuntimeWarning, stacklevel=3)
     return fingerprint
+
+
+def _checked_run(state, prompts, steps: int, batch_size: int, eval_every: int, eval_fn):
+    """``prompts`` as a PromptSet, after fit's checks of the run's extent and evaluation (``steps``
+    already an int): made before any work, by fit and, in the caller before its workers start, by
+    ``rk.launch(plan, ...)`` (which reads the prompts once there, not once per worker)."""
+    if steps < state.step:
+        raise ValueError(f"steps={steps} is below the state's step {state.step}; the run is already past it")
+    int_at_least(batch_size, "batch_size", 1, " (prompts per step)")
+    int_at_least(eval_every, "eval_every", 0, " (0: no evaluation)")
+    if eval_every and eval_fn is None:
+        raise ValueError(f"eval_every={eval_every} asks for evaluation but eval_fn is None; pass eval_fn=lambda state: {{...}} or eval_every=0")
+    if not hasattr(prompts, "batch_at"):
+        if state.tokenizer is None:
+            raise TypeError(f"prompts is a {type(prompts).__name__} and the state has no tokenizer to read it with; "
+                            "pass rk.load_prompts(prompts, tokenizer), or rk.init(..., tokenizer=...)")
+        prompts = load_prompts(prompts, state.tokenizer)
+    return prompts
 
 
 def _check_fit_args(state, recipe, reward, steps, sinks, checkpointer):
