@@ -129,6 +129,15 @@ def _loss_scale(state: TrainState, role: str, model: torch.nn.Module) -> LossSca
     return LossScale(float(scale), int(good))
 
 
+def _can_widen(p: torch.nn.Parameter) -> bool:
+    """Whether :func:`_unscaled_gradients` gives float16 parameter ``p`` a float32 unscaled gradient:
+    only torch >= 2.9 has ``grad_dtype``, which lets a parameter hold a gradient of another dtype.
+    Before that a float16 parameter's gradient is divided in float16, in place, as an optimizer
+    without master copies has it (what a true gradient below float16's range loses, the float32
+    path keeps). One function, so that fallback is tested on a torch that has ``grad_dtype``."""
+    return p.dtype == torch.float16 and hasattr(p, "grad_dtype")
+
+
 @contextlib.contextmanager
 def _unscaled_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scale: float):
     """Inside: ``model``'s gradients divided by the loss scale ``scale``, the true gradients that
@@ -154,7 +163,7 @@ def _unscaled_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer
             for p in model.parameters():
                 if p.grad is None:
                     continue
-                if widen and p.dtype == torch.float16 and hasattr(p, "grad_dtype"):  # grad_dtype: torch >= 2.9
+                if widen and _can_widen(p):
                     grad = p.grad.to(torch.float32).div_(scale)
                     p.grad = None
                     p.grad_dtype = None
@@ -704,12 +713,21 @@ def update(
         if not isinstance(weight, torch.Tensor):
             weights[name] = weights.get(name, 0.0) + weight
 
-    skipped = 0
-    lr_used = None
-    streak = int(state.extras.get("nonfinite_streak", 0))
-    critic_skipped = 0
-    critic_streak = int(state.extras.get("critic_nonfinite_streak", 0))
-    overflows = critic_overflows = 0  # steps skipped because the float16 loss scale overflowed
+    # each trained role's step-or-skip after a mini-batch, its loss scale and what it counts (the
+    # streaks go on from the previous update's); from the first optimizer step on, parameters and
+    # optimizer moments change in place (``in_place``): an exception after it (Ctrl-C included)
+    # leaves the input neither the state before the update nor one after it, and it used to stay
+    # usable (rk.fit handed it back as "the state after step N"). It is donated then, with a reason
+    # saying so
+    critic_streak = int(state.extras.get("critic_nonfinite_streak", 0))  # read (and int()-checked) with a critic or without
+    actor_step = _RoleStep(
+        actor, optimizer, state.scheduler, actor_scale, int(state.extras.get("nonfinite_streak", 0)), role="actor",
+        noun="", advice="lower the learning rate, check rewards/advantages for extreme values, or enable gradient clipping")
+    critic_step = _RoleStep(
+        state.critic, state.critic_optimizer, state.critic_scheduler, critic_scale, critic_streak, role="critic", noun="critic ",
+        advice="check the returns and values for extreme values (value_clip), lower the critic's learning rate "
+               "(critic_optimizer) or critic_coef, or enable gradient clipping") if train_critic else None
+    roles = [actor_step] + ([critic_step] if train_critic else [])
     gap_abs = gap_max = None
     gap_tokens = 0.0  # this rank's response tokens the gap was measured over
     # the ratio's old log-probs from the batch's old_logprobs (given, not update's own recompute of
@@ -717,7 +735,6 @@ def update(
     measure_old = old == "batch" and "old_logprobs" in keys
     old_abs = None
     old_tokens = 0.0
-    steps_done = 0
     minis_trained = 0  # mini-batches that ran forward/backward (an all-empty one is skipped)
     # Pipeline.lower(grad_reduce="step"): FSDP2 reduce-scatters once per optimizer step, in the
     # last micro-batch's backward, instead of in every micro-batch's
@@ -725,11 +742,6 @@ def update(
     defer_sync = dp is not None and local_mini > micro and state._cache.get("grad_reduce", "micro_batch") == "step"
     if defer_sync:
         from rlkit.parallel.fsdp import discard_unreduced_gradients, set_gradient_sync
-    # from the first optimizer step on, parameters and optimizer moments change in place: an
-    # exception after it (Ctrl-C included) leaves the input neither the state before the update
-    # nor one after it, and it used to stay usable (rk.fit handed it back as "the state after
-    # step N"). It is donated then, with a reason saying so
-    in_place = False
     # the state after the update, once it is complete: an exception while it reports (a gap warning
     # raised as an error, Ctrl-C) donates the input to it, on the exception, instead of as unfinished
     new_state = None
@@ -758,8 +770,8 @@ def update(
                     mini_loss = 0.0  # this mini-batch's loss: a non-finite one skips its optimizer step only
                     critic_mini_loss = 0.0  # the critic's, read only under loss scaling (overflow or non-finite loss)
                     # the unscaled path multiplies by exactly what it always did: bfloat16/float32 stay bit-identical
-                    actor_mult = grad_scale * actor_scale.scale if actor_scale is not None else grad_scale
-                    critic_mult = grad_scale * critic_scale.scale if critic_scale is not None else grad_scale
+                    actor_mult = actor_step.multiplier(grad_scale)
+                    critic_mult = critic_step.multiplier(grad_scale) if train_critic else grad_scale
                     if train_critic:
                         state.critic_optimizer.zero_grad(set_to_none=True)
                     for u0 in range(0, local_mini, micro):
@@ -824,90 +836,26 @@ def update(
                                                              view=rows_view(critic_module, rows, device))
                                 vf_loss, vf_metrics = value_loss(values, mb["values"], mb["returns"], mask, cliprange_value=value_clip, agg=term_agg, **norm)
                                 (critic_coef * vf_loss * critic_mult).backward()
-                                if critic_scale is not None:
+                                if critic_step.scale is not None:
                                     critic_mini_loss = critic_mini_loss + vf_loss.detach()
                                 record("critic/vf_loss", vf_loss, 1.0)
                                 for k, v in vf_metrics.items():
                                     record(f"critic/{k}", v, frac)
                     # under loss scaling: whether each scaled role's loss is finite on every rank (one
                     # collective), so that all ranks tell an overflow from a non-finite loss alike
-                    loss_ok = _losses_finite([mini_loss if actor_scale is not None else None,
-                                              critic_mini_loss if critic_scale is not None else None], state, device)
-                    with torch.profiler.record_function("rlkit.update.optimizer"), \
-                            _maybe_unscaled(actor, optimizer, actor_scale):
-                        grad_norm = _clip(actor, max_grad_norm)
+                    loss_ok = _losses_finite([mini_loss if actor_step.scale is not None else None,
+                                              critic_mini_loss if train_critic and critic_step.scale is not None else None],
+                                             state, device)
+                    where = dict(record=record, max_grad_norm=max_grad_norm, growth_interval=loss_scale_growth_interval,
+                                 max_nonfinite_steps=max_nonfinite_steps, step=state.step, mini_batch=m0 // mini)
+                    with torch.profiler.record_function("rlkit.update.optimizer"):
                         # this mini-batch's own loss, not the running metric sum: one bad mini-batch used to
                         # make every later one of the update look non-finite and skip its step
-                        if actor_scale is None:
-                            finite = bool(torch.isfinite(torch.as_tensor(grad_norm)) & torch.isfinite(torch.as_tensor(mini_loss)))
-                            overflow = False
-                        else:
-                            finite = loss_ok[0] and bool(torch.isfinite(torch.as_tensor(grad_norm)))
-                            overflow = not finite and loss_ok[0] and actor_scale.scale > LOSS_SCALE_MIN
-                        if not overflow:  # an overflow's norm is inf: it would make the update's average inf
-                            record("actor/grad_norm", grad_norm)
-                        if finite:
-                            lr_used = optimizer.param_groups[0]["lr"]  # the scheduler moves it on below
-                            in_place = True
-                            optimizer.step()
-                            state.scheduler.step()
-                            streak = 0
-                            steps_done += 1
-                            if actor_scale is not None:
-                                actor_scale = actor_scale.stepped(loss_scale_growth_interval)
-                        elif overflow:
-                            # the scale's business, not the model's: halve it and skip, silently
-                            optimizer.zero_grad(set_to_none=True)
-                            overflows += 1
-                            actor_scale = actor_scale.overflowed()
-                        else:
-                            optimizer.zero_grad(set_to_none=True)
-                            skipped += 1
-                            streak += 1
-                            if actor_scale is not None:
-                                actor_scale = actor_scale.skipped()
-                            warnings.warn(f"rlkit.update: non-finite loss or gradient at step {state.step} (mini-batch {m0 // mini}); optimizer step skipped ({streak} in a row)", RuntimeWarning, stacklevel=2)
-                            if streak >= max_nonfinite_steps:
-                                raise NonFiniteError(
-                                    f"{streak} consecutive updates had a non-finite loss or gradient (last at step {state.step}); "
-                                    "lower the learning rate, check rewards/advantages for extreme values, or enable gradient clipping"
-                                )
+                        actor_step.step_or_skip(loss_ok[0], mini_loss, **where)
                     if train_critic:
-                        with _maybe_unscaled(state.critic, state.critic_optimizer, critic_scale):
-                            c_norm = _clip(state.critic, max_grad_norm)
-                            c_finite = bool(torch.isfinite(torch.as_tensor(c_norm)))
-                            c_overflow = False
-                            if critic_scale is not None:
-                                c_finite = c_finite and loss_ok[1]
-                                c_overflow = not c_finite and loss_ok[1] and critic_scale.scale > LOSS_SCALE_MIN
-                            if not c_overflow:
-                                record("critic/grad_norm", c_norm)
-                            if c_finite:
-                                in_place = True
-                                state.critic_optimizer.step()
-                                state.critic_scheduler.step()
-                                critic_streak = 0
-                                if critic_scale is not None:
-                                    critic_scale = critic_scale.stepped(loss_scale_growth_interval)
-                            elif c_overflow:
-                                state.critic_optimizer.zero_grad(set_to_none=True)
-                                critic_overflows += 1
-                                critic_scale = critic_scale.overflowed()
-                            else:
-                                # as the actor's: a critic that went NaN was skipped silently, every step
-                                state.critic_optimizer.zero_grad(set_to_none=True)
-                                critic_skipped += 1
-                                critic_streak += 1
-                                if critic_scale is not None:
-                                    critic_scale = critic_scale.skipped()
-                                warnings.warn(f"rlkit.update: non-finite critic loss or gradient at step {state.step} (mini-batch {m0 // mini}); "
-                                              f"critic optimizer step skipped ({critic_streak} in a row)", RuntimeWarning, stacklevel=2)
-                                if critic_streak >= max_nonfinite_steps:
-                                    raise NonFiniteError(
-                                        f"{critic_streak} consecutive updates had a non-finite critic loss or gradient (last at step {state.step}); "
-                                        "check the returns and values for extreme values (value_clip), lower the critic's learning rate "
-                                        "(critic_optimizer) or critic_coef, or enable gradient clipping"
-                                    )
+                        # unscaled, the critic is judged by its gradient norm alone (its loss is summed only
+                        # under loss scaling); a non-finite value loss makes a non-finite gradient anyway
+                        critic_step.step_or_skip(loss_ok[1], None, **where)
         finally:
             if defer_sync:
                 for module in trained:
@@ -917,11 +865,10 @@ def update(
 
         new_state = state.replace(
             step=state.step + 1,
-            policy_version=state.policy_version + (1 if steps_done else 0),
-            extras={**state.extras, "nonfinite_streak": streak,
-                    **({"critic_nonfinite_streak": critic_streak} if train_critic else {}),
-                    **(actor_scale.extras("actor") if actor_scale is not None else {}),
-                    **(critic_scale.extras("critic") if critic_scale is not None else {})},
+            policy_version=state.policy_version + (1 if actor_step.steps else 0),
+            extras={**state.extras, "nonfinite_streak": actor_step.streak,
+                    **({"critic_nonfinite_streak": critic_step.streak} if train_critic else {}),
+                    **{k: v for r in roles if r.scale is not None for k, v in r.scale.extras(r.role).items()}},
         )
         # the mini-batches that recorded metrics: an all-empty one skipped above recorded none, and
         # counting it (epochs * b // mini) diluted every average
@@ -950,19 +897,18 @@ def update(
             metrics["actor/old_logprob_gap"] = old_abs / n_old
         # the rate the (last) optimizer step of this update used; it reported the next step's, and at a
         # schedule's end a rate never applied
-        metrics["actor/lr"] = lr_used if lr_used is not None else state.lr
-        metrics["actor/skipped_steps"] = float(skipped)
-        if train_critic:
-            metrics["critic/skipped_steps"] = float(critic_skipped)
+        metrics["actor/lr"] = actor_step.lr_used if actor_step.lr_used is not None else state.lr
+        for r in roles:
+            metrics[f"{r.role}/skipped_steps"] = float(r.skipped)
         # after _reduce_metrics, which sums over ranks: every rank holds the same scale
-        for role, scale, count in (("actor", actor_scale, overflows), ("critic", critic_scale, critic_overflows)):
-            if scale is not None:
-                metrics[f"{role}/loss_scale"] = scale.scale
-                metrics[f"{role}/loss_scale_overflows"] = float(count)
+        for r in roles:
+            if r.scale is not None:
+                metrics[f"{r.role}/loss_scale"] = r.scale.scale
+                metrics[f"{r.role}/loss_scale_overflows"] = float(r.overflows)
         # no "step" metric: the step is the state's (new_state.step), and sinks log it as their own
         # step argument; as a float metric it shadowed that step in the rows and Prometheus refused it
         if split is not None:
-            payload = [{**metrics, "_stepped": 1 if steps_done else 0}]
+            payload = [{**metrics, "_stepped": 1 if actor_step.steps else 0}]
             torch.distributed.broadcast_object_list(payload, src=split.actor_ranks[0])
         reported = metrics
         # after the collectives: a warning raised as an error on every rank leaves none waiting
@@ -973,8 +919,8 @@ def update(
             # its reporting failed: the new state is consistent and the exception carries it
             state.donate("rlkit.update", new_state)
             _carry_new_state(e, new_state, reported)
-        elif in_place:
-            state.donate("rlkit.update", None, reason=f"{type(e).__name__} interrupted it mid-update, after {steps_done} "
+        elif any(r.in_place for r in roles):
+            state.donate("rlkit.update", None, reason=f"{type(e).__name__} interrupted it mid-update, after {actor_step.steps} "
                          f"optimizer step(s) of {epochs * (b // mini)}")
         raise
     state.donate("rlkit.update", new_state)
@@ -1053,6 +999,88 @@ def _clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor | floa
 def _maybe_unscaled(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scale: LossScale | None):
     """:func:`_unscaled_gradients` of ``model`` under loss scaling, else nothing."""
     return contextlib.nullcontext() if scale is None else _unscaled_gradients(model, optimizer, scale.scale)
+
+
+@dataclasses.dataclass
+class _RoleStep:
+    """One trained role's optimizer step or skip after each mini-batch of :func:`update`, and its
+    counts over the update. The actor and the critic follow the same rules (clip, tell a finite
+    step from a float16 overflow from a non-finite loss or gradient, then step, or skip and count),
+    and differ only in their names, their advice and which loss the unscaled check reads; one copy
+    of the rules keeps the two from drifting apart (the critic's non-finite steps were once skipped
+    silently, with no streak, while the actor's warned and raised)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    #: the role's float16 loss scale, moved on by every step or skip; None: trained unscaled
+    scale: LossScale | None
+    #: non-finite steps skipped in a row, carried across updates in ``state.extras``
+    streak: int
+    role: str  # "actor" or "critic": the metrics' and extras' prefix
+    noun: str  # "" or "critic ": where the warning and NonFiniteError name the role
+    advice: str  # NonFiniteError's fix for this role
+    skipped: int = 0  # steps skipped for a non-finite loss or gradient (``<role>/skipped_steps``)
+    overflows: int = 0  # steps skipped because the loss scale overflowed (``<role>/loss_scale_overflows``)
+    steps: int = 0  # optimizer steps taken
+    lr_used: float | None = None  # the learning rate of the last step (the scheduler moves it on after)
+    #: set just before the first optimizer step: from there on parameters and moments change in
+    #: place, and an exception (inside the step too) leaves the input state neither old nor new
+    in_place: bool = False
+
+    def multiplier(self, grad_scale: float) -> float:
+        """What the role's micro-batch losses are multiplied by before backward: unscaled, exactly
+        what it always was (``grad_scale``), so bfloat16/float32 updates stay bit-identical."""
+        return grad_scale * self.scale.scale if self.scale is not None else grad_scale
+
+    def step_or_skip(self, loss_ok: bool, loss, *, record: Callable, max_grad_norm: float | None, growth_interval: int,
+                     max_nonfinite_steps: int, step: int, mini_batch: int) -> None:
+        """After a mini-batch's backward: clip the role's (unscaled) gradients, record their norm, and
+        step; or skip, either an overflow of the loss scale (halved, silently) or a non-finite loss
+        or gradient (warned, counted in the streak; ``max_nonfinite_steps`` of them in a row raise
+        :class:`NonFiniteError`). ``loss_ok``: whether the mini-batch's loss is finite on every rank
+        (:func:`_losses_finite`), read under loss scaling, where it tells an overflow from a
+        non-finite loss. ``loss``: the mini-batch's loss, read unscaled (None: the role is judged by
+        its gradient norm alone)."""
+        with _maybe_unscaled(self.model, self.optimizer, self.scale):
+            norm = _clip(self.model, max_grad_norm)
+            if self.scale is None:
+                finite = torch.isfinite(torch.as_tensor(norm))
+                if loss is not None:
+                    finite = finite & torch.isfinite(torch.as_tensor(loss))
+                finite, overflow = bool(finite), False
+            else:
+                finite = loss_ok and bool(torch.isfinite(torch.as_tensor(norm)))
+                # at the smallest scale nothing is scaled any more: a non-finite step like any other
+                overflow = not finite and loss_ok and self.scale.scale > LOSS_SCALE_MIN
+            if not overflow:  # an overflow's norm is inf: it would make the update's average inf
+                record(f"{self.role}/grad_norm", norm)
+            if finite:
+                self.lr_used = self.optimizer.param_groups[0]["lr"]  # the scheduler moves it on below
+                self.in_place = True
+                self.optimizer.step()
+                self.scheduler.step()
+                self.streak = 0
+                self.steps += 1
+                if self.scale is not None:
+                    self.scale = self.scale.stepped(growth_interval)
+            elif overflow:
+                # the scale's business, not the model's: halve it and skip, silently
+                self.optimizer.zero_grad(set_to_none=True)
+                self.overflows += 1
+                self.scale = self.scale.overflowed()
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
+                self.skipped += 1
+                self.streak += 1
+                if self.scale is not None:
+                    self.scale = self.scale.skipped()
+                # stacklevel 3: update's caller, as when update warned itself
+                warnings.warn(f"rlkit.update: non-finite {self.noun}loss or gradient at step {step} (mini-batch {mini_batch}); "
+                              f"{self.noun}optimizer step skipped ({self.streak} in a row)", RuntimeWarning, stacklevel=3)
+                if self.streak >= max_nonfinite_steps:
+                    raise NonFiniteError(f"{self.streak} consecutive updates had a non-finite {self.noun}loss or gradient "
+                                         f"(last at step {step}); {self.advice}")
 
 
 def _losses_finite(losses: list, state: TrainState, device: torch.device) -> list[bool]:

@@ -281,3 +281,67 @@ def test_recipes_pass_the_growth_interval_to_update(tiny_model, char_tok):
     recipe = rk.recipes.get("grpo", loss_scale_growth_interval=3)
     assert recipe.update_kwargs()["loss_scale_growth_interval"] == 3
     assert rk.recipes.get("grpo").update_kwargs()["loss_scale_growth_interval"] == 2000
+
+
+def test_without_grad_dtype_float16_gradients_are_unscaled_in_float16_and_still_step_correctly(tiny_model, char_tok, monkeypatch):
+    """torch < 2.9 has no ``grad_dtype``: a float16 parameter cannot hold a float32 gradient, so
+    _unscaled_gradients divides its scaled float16 gradient in float16, in place, even for
+    MasterWeightAdamW. Simulated here through the _can_widen seam on a torch that has it: the
+    optimizer must be handed float16 gradients (the fallback ran), and the step must still be the
+    float32 reference's. eps=1 makes AdamW's first step about lr * gradient (with the default eps
+    it is lr * sign(gradient), blind to a gradient unscaled twice or not at all)."""
+    from rlkit.transforms import update as update_module
+
+    monkeypatch.setattr(update_module, "_can_widen", lambda p: False)
+    fp16 = copy.deepcopy(tiny_model).to(torch.float16)
+    reference = copy.deepcopy(fp16).float()  # the same weights, trained in float32
+    batch = _batch(reference)  # advantages ~1: the true gradients are within float16's range
+    spec = rk.optim.adamw(lr=0.1, weight_decay=0.0, eps=1.0)
+    start = {k: v.float() for k, v in _params(reference).items()}
+    ref_state, ref_metrics = rk.update(rk.init(reference, spec, tokenizer=char_tok), batch, max_logprob_gap=None, max_grad_norm=None)
+
+    state = _fp16_state(tiny_model, char_tok, lr=0.1, weight_decay=0.0, eps=1.0)
+    assert isinstance(state.optimizer, rk.optim.MasterWeightAdamW)
+    # the dtypes of the gradients the optimizer is handed (its own step runs the hook again, inside,
+    # on the float32 gradients it swaps in for the master copies: the first call is update's)
+    handed = []
+    state.optimizer.register_step_pre_hook(
+        lambda *_: handed.append({p.grad.dtype for p in state.actor.parameters() if p.grad is not None}))
+    state, metrics = rk.update(state, batch, max_logprob_gap=None, max_grad_norm=None)
+    assert handed[0] == {torch.float16}  # the float16 fallback, not the float32 widening
+    assert metrics["actor/loss_scale"] == LOSS_SCALE_INIT and metrics["actor/loss_scale_overflows"] == 0.0
+    # the true gradient, not 2**16 times it (nor 2**-16 times)
+    assert metrics["actor/grad_norm"] == pytest.approx(ref_metrics["actor/grad_norm"], rel=1e-3)
+    ref_after = dict(ref_state.actor.named_parameters())
+    err = ref = g_err = g_ref = 0.0
+    for name, p in state.actor.named_parameters():
+        expected = ref_after[name].detach() - start[name]
+        err += (state.optimizer.state[p]["master"] - start[name] - expected).pow(2).sum().item()
+        ref += expected.pow(2).sum().item()
+        g_err += (p.grad.float() - ref_after[name].grad).pow(2).sum().item()
+        g_ref += ref_after[name].grad.pow(2).sum().item()
+    # 7e-4 each here; a gradient left scaled or divided twice is off by ~1
+    assert (g_err / g_ref) ** 0.5 < 5e-3
+    assert (err / ref) ** 0.5 < 5e-3
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_the_nonfinite_step_warning_points_at_the_callers_line(tiny_model, char_tok, role):
+    """update's warnings name the line that called rk.update (stacklevel), for the actor's and the
+    critic's skipped steps alike, wherever inside update the step is decided."""
+    state = rk.init(copy.deepcopy(tiny_model), rk.optim.adamw(lr=1e-3), tokenizer=char_tok,
+                    critic=rk.models.critic(copy.deepcopy(tiny_model)) if role == "critic" else None)
+    batch = _batch(tiny_model)
+    if role == "critic":
+        batch = rk.advantage(rk.compute_values(state, batch), "gae")
+        batch.set("returns", batch["returns"] * float("nan"))
+    else:
+        batch.set("advantages", batch["advantages"] * float("nan"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rk.update(state, batch, max_nonfinite_steps=2, max_logprob_gap=None)
+    noun = "critic " if role == "critic" else ""
+    (warning,) = [w for w in caught if f"non-finite {noun}loss" in str(w.message)]
+    assert str(warning.message) == (f"rlkit.update: non-finite {noun}loss or gradient at step 0 (mini-batch 0); "
+                                    f"{noun}optimizer step skipped (1 in a row)")
+    assert warning.filename == __file__
