@@ -26,6 +26,11 @@ logprobs_filtered   (b)       bool   ``logprobs`` are of a top-k/top-p filtered 
 
 Non-tensor columns (``prompt_text``, ``response_text`` and any per-prompt data such as
 ``answer``) are stored as ``NonTensorStack`` and follow rows through indexing and ``cat``.
+``prompt_messages`` (:data:`PROMPT_MESSAGES`) is one of them: a row's chat conversation (its list
+of ``{"role", "content"}`` messages) where its prompt was one, None where it was text; ``rollout``
+writes it when its prompts hold a conversation, and ``rk.score`` hands TRL-style rewards TRL's
+conversational format for those rows from it (``prompt_text`` stays printable: the JSON of the
+messages).
 
 The padded layout is the API; :func:`packed` gives the variable-length view for hot paths.
 """
@@ -65,10 +70,14 @@ FIELDS: dict[str, tuple[int, str]] = {
 }
 RESPONSE_ALIGNED = {k for k, (rank, _) in FIELDS.items() if rank == 2 and not k.startswith("prompt")}
 TEXT_FIELDS = ("prompt_text", "response_text")
+#: the per-row column of the chat conversation a row's prompt was (None for a text prompt): kept
+#: apart from ``prompt_text`` (the printable JSON of it) so that whether a prompt was a conversation
+#: is a fact carried from the data, never guessed from text that looks like JSON
+PROMPT_MESSAGES = "prompt_messages"
 #: names a per-prompt data column cannot take: the batch's own fields, and the keywords
 #: ``rk.score`` passes TRL-style reward functions besides the columns (``trainer_state``,
 #: ``log_metric``, ``log_extra``; ``reward/<name>`` too)
-RESERVED_COLUMNS = frozenset(FIELDS) | set(TEXT_FIELDS) | {
+RESERVED_COLUMNS = frozenset(FIELDS) | set(TEXT_FIELDS) | {PROMPT_MESSAGES,
     "rollout_metrics", "prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra"}
 
 
@@ -222,7 +231,7 @@ def make_batch(
     if rewards is not None:
         fields["rewards"] = torch.as_tensor(rewards, dtype=torch.float32)
     batch = TensorDict(fields, batch_size=[b], device=device)
-    check_column_names(columns or {}, "make_batch(columns=...)", allow=TEXT_FIELDS)  # the batch's own text columns
+    check_column_names(columns or {}, "make_batch(columns=...)", allow=(*TEXT_FIELDS, PROMPT_MESSAGES))  # the batch's own text columns
     for name, values in (columns or {}).items():
         set_column(batch, name, values)
     validate(batch)
@@ -255,8 +264,9 @@ def set_column(batch: Batch, name: str, values: Sequence[Any]) -> None:
     ``name`` may be any string but the batch's tensor fields (:data:`FIELDS`), ``reward/...`` and
     the keywords ``rk.score`` passes reward functions (:func:`check_column_names`): a column of
     that name would replace the tensor (or collide with the keyword). The text columns
-    (``prompt_text``, ``response_text``) and ``rollout_metrics`` are the batch's own and settable."""
-    check_column_names([name], "set_column", allow=(*TEXT_FIELDS, "rollout_metrics"))
+    (``prompt_text``, ``response_text``), ``prompt_messages`` and ``rollout_metrics`` are the
+    batch's own and settable."""
+    check_column_names([name], "set_column", allow=(*TEXT_FIELDS, PROMPT_MESSAGES, "rollout_metrics"))
     values = list(values)
     if len(values) != batch.batch_size[0]:
         raise BatchError(f"column {name!r} has {len(values)} values but the batch has {batch.batch_size[0]} rows")

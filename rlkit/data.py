@@ -83,17 +83,43 @@ def _id_rows(ids: Any, where: str) -> Any:
     return rows
 
 
+def _check_messages(messages: Any, n: int, where: str) -> list[Any] | None:
+    """``messages`` (one chat conversation or None per prompt, or None for no conversation at all)
+    as a list, checked: a wrong entry would otherwise reach the rewards as a prompt."""
+    if messages is None:
+        return None
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, abc.Sequence):
+        raise DataError(f"{where}: messages must be a list with one entry per prompt (a chat conversation, or None for a "
+                        f"text prompt), or None; got {type(messages).__name__} {messages!r:.60}")
+    messages = list(messages)
+    if len(messages) != n:
+        raise DataError(f"{where} has {n} rows of ids but {len(messages)} messages; give one entry per prompt (None for a text prompt)")
+    bad = next((i for i, m in enumerate(messages) if m is not None and not _is_conversation(m)), None)
+    if bad is not None:
+        raise DataError(f"{where}: messages[{bad}] is {messages[bad]!r:.60}; each entry is a chat conversation (a non-empty "
+                        "list of {'role': ..., 'content': ...} dicts) or None for a text prompt")
+    return messages
+
+
 @dataclass(frozen=True)
 class Prompts:
     """One batch of prompts: ``text[i]``, ``ids[i]`` (unpadded token ids), ``columns[name][i]``.
 
     An ``ids`` row may be a list of ints, or a 1-d integer tensor or numpy array (converted to a
     list); ``ids`` may be a 2-d integer tensor (one row per prompt). Its repr shows the size, the
-    column names and the first prompt (clipped), e.g. ``Prompts(n=8, columns=['answer'], first='27+43=')``."""
+    column names and the first prompt (clipped), e.g. ``Prompts(n=8, columns=['answer'], first='27+43=')``.
+
+    ``messages[i]``: the chat conversation prompt ``i`` was (its list of ``{"role", "content"}``
+    messages; ``text[i]`` is its JSON), None where it was text; ``messages`` is None where no prompt
+    was a conversation. :func:`load_prompts` fills it; ``rollout`` carries it into the batch's
+    ``prompt_messages`` column, from which ``rk.score`` gives TRL-style rewards the conversation
+    itself, as TRL does. Kept apart from ``text`` so that a text prompt that happens to be JSON
+    stays text."""
 
     text: list[str]
     ids: list[list[int]]
     columns: dict[str, list[Any]] = field(default_factory=dict)
+    messages: list[list[dict[str, Any]] | None] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "ids", _id_rows(self.ids, "Prompts"))
@@ -101,6 +127,7 @@ class Prompts:
         bad = {name: len(v) for name, v in [("text", self.text), *((f"columns[{k!r}]", v) for k, v in self.columns.items())] if len(v) != n}
         if bad:
             raise DataError(f"Prompts has {n} rows of ids but {bad}; every field needs one entry per prompt")
+        object.__setattr__(self, "messages", _check_messages(self.messages, n, "Prompts"))
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -118,7 +145,8 @@ class Prompts:
                 raise IndexError(f"prompt {index} out of range for {n} prompts")
             i %= n
             index = slice(i, i + 1)
-        return Prompts(self.text[index], self.ids[index], {k: v[index] for k, v in self.columns.items()})
+        return Prompts(self.text[index], self.ids[index], {k: v[index] for k, v in self.columns.items()},
+                       None if self.messages is None else self.messages[index])
 
 
 def _encode(tokenizer, text: str | list, chat: bool) -> list[int]:
@@ -303,14 +331,19 @@ def prompt_fingerprint(prompts) -> str | None:
 class PromptSet:
     """A tokenized prompt data set. Iterate batches with :meth:`batches`. Its repr shows the size,
     the column names and the first prompt (clipped), e.g.
-    ``PromptSet(n=4000, columns=['answer'], first='27+43=')``."""
+    ``PromptSet(n=4000, columns=['answer'], first='27+43=')``. ``messages``: as :class:`Prompts`'s
+    (each chat prompt's conversation, None for a text one; None when no prompt is a conversation),
+    passed on to the batches it yields."""
 
     text: list[str]
     ids: list[list[int]]
     columns: dict[str, list[Any]]
+    # a default, so a set pickled before the field existed reads None (the class attribute)
+    messages: list[list[dict[str, Any]] | None] | None = None
 
     def __post_init__(self):
         self.ids = _id_rows(self.ids, "PromptSet")  # tensor / numpy rows as lists, as Prompts takes them
+        self.messages = _check_messages(self.messages, len(self.ids), "PromptSet")
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -327,7 +360,9 @@ class PromptSet:
         return prompt_fingerprint(self)
 
     def take(self, index: Sequence[int]) -> Prompts:
-        return Prompts([self.text[i] for i in index], [self.ids[i] for i in index], {k: [v[i] for i in index] for k, v in self.columns.items()})
+        index = list(index)
+        return Prompts([self.text[i] for i in index], [self.ids[i] for i in index], {k: [v[i] for i in index] for k, v in self.columns.items()},
+                       None if self.messages is None else [self.messages[i] for i in index])
 
     def order(self, epoch: int, seed: int, shuffle: bool = True) -> list[int]:
         """The prompt indices of epoch ``epoch`` in order (a permutation fixed by ``(seed, epoch)``)."""
@@ -395,7 +430,10 @@ def load_prompts(
     the whole set is read and tokenized once (pass ``list(data.take(n))``).
 
     A row's prompt is text, or a chat conversation (a list of ``{"role", "content"}`` messages,
-    rendered with the tokenizer's chat template). Text is tokenized with the special tokens the
+    rendered with the tokenizer's chat template; the set keeps the messages, ``messages``, for
+    TRL-style rewards, and their JSON as the prompt's ``text``). ``chat=True`` renders text prompts
+    as one user message each; they stay text prompts (rewards get the text, as TRL gives them a
+    standard, non-conversational dataset's). Text is tokenized with the special tokens the
     tokenizer puts before it (Llama's BOS), as TRL and vLLM tokenize a text prompt, and none after
     (:func:`rlkit.models.tokenizers.encode_prompt`). Every other key of a row (``answer``,
     ``ground_truth``, ``data_source``...) becomes a column that reward functions receive by name.
@@ -409,7 +447,8 @@ def load_prompts(
     if isinstance(source, PromptSet):
         return source
     if isinstance(source, Prompts):  # one batch, already tokenized: taken as it is
-        return PromptSet(list(source.text), list(source.ids), {k: list(v) for k, v in source.columns.items()})
+        return PromptSet(list(source.text), list(source.ids), {k: list(v) for k, v in source.columns.items()},
+                         None if source.messages is None else list(source.messages))
     if tokenizer is None:
         raise DataError("load_prompts needs a tokenizer to turn prompts into token ids; pass one (e.g. state.tokenizer)")
     rows, origins = _rows(source, prompt_key)
@@ -417,7 +456,7 @@ def load_prompts(
         raise DataError("the prompt set is empty; give at least one prompt")
     from rlkit.models.tokenizers import check_known_characters
 
-    text, ids = [], []
+    text, ids, messages = [], [], []
     columns: dict[str, list[Any]] = {}
     keys = None
     for n, row in enumerate(rows):
@@ -471,8 +510,11 @@ def load_prompts(
         for k, v in others.items():
             columns[k].append(v)
         text.append(value if isinstance(value, str) else json.dumps(value))
+        # the conversation itself, so rewards get TRL's format for it without guessing from the text
+        # (a text prompt may be JSON); its messages copied as plain dicts, apart from the source's
+        messages.append([dict(m) for m in value] if isinstance(value, list) else None)
         ids.append(tok)
-    return PromptSet(text, ids, columns)
+    return PromptSet(text, ids, columns, messages if any(m is not None for m in messages) else None)
 
 
 def as_prompts(prompts: Any, tokenizer) -> Prompts:
@@ -482,11 +524,11 @@ def as_prompts(prompts: Any, tokenizer) -> Prompts:
     if isinstance(prompts, Prompts):
         return prompts
     if isinstance(prompts, PromptSet):  # every prompt of the set
-        return Prompts(prompts.text, prompts.ids, prompts.columns)
+        return Prompts(prompts.text, prompts.ids, prompts.columns, prompts.messages)
     if isinstance(prompts, str) or (_is_conversation(prompts) and all("role" in m and "prompt" not in m for m in prompts)):
         prompts = [prompts]  # one prompt: a string or one conversation
     if tokenizer is None:
         raise DataError("rollout got text prompts but the state has no tokenizer; pass tokenizer= to rk.init")
     # a dict (one row, or columns) as load_prompts reads it: list() of it was its keys, sampled as prompts
     s = load_prompts(prompts if isinstance(prompts, Mapping) else list(prompts), tokenizer)
-    return Prompts(s.text, s.ids, s.columns)
+    return Prompts(s.text, s.ids, s.columns, s.messages)

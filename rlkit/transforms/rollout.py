@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from rlkit._checks import context_limit, is_int, output_vocab
-from rlkit.batch import Batch, check_same_fields, row_tokens, set_column, shallow_copy
+from rlkit.batch import PROMPT_MESSAGES, Batch, check_same_fields, row_tokens, set_column, shallow_copy
 from rlkit.data import Prompts, as_prompts
 from rlkit.engines.base import Engine, SamplingParams
 from rlkit.state import TrainState, fold_in, generator
@@ -285,7 +285,12 @@ def batch_from_generation(prompts: Prompts, out, tokenizer, *, policy_version: i
     ``filtered``: the engine sampled with top-k/top-p (:func:`is_filtered`); the Batch then has a
     ``logprobs_filtered`` field, True on every row. ``temperature``: the sampling temperature; the
     Batch then has a ``temperature`` field (float32), the temperature of its ``logprobs`` on every
-    row: 1.0 for greedy decoding (0), whose log-probs are temperature-1 (None: no such field)."""
+    row: 1.0 for greedy decoding (0), whose log-probs are temperature-1 (None: no such field).
+
+    Where ``prompts.messages`` is set (some prompt was a chat conversation) the Batch has a
+    ``prompt_messages`` column: each row's conversation, None on text rows. It is set for every
+    batch of such a prompt set, a share without a conversation included, so the batches (and the
+    replicas' shares gathered into one) have the same columns."""
     from rlkit.batch import _pad_left
 
     index = out.prompt_index.cpu()
@@ -317,6 +322,10 @@ def batch_from_generation(prompts: Prompts, out, tokenizer, *, policy_version: i
     if temperature is not None:
         batch.set(TEMPERATURE, torch.full((b,), float(temperature) if temperature > 0 else 1.0, dtype=torch.float32))
     set_column(batch, "prompt_text", [prompts.text[i] for i in rows])
+    messages = getattr(prompts, "messages", None)
+    if messages is not None:
+        # the n samples of a prompt share its list: rk.score hands rewards copies
+        set_column(batch, PROMPT_MESSAGES, [messages[i] for i in rows])
     for name, values in prompts.columns.items():
         set_column(batch, name, [values[i] for i in rows])
     if decode and tokenizer is not None:
@@ -370,7 +379,10 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
 
 
 def concat(batches: Sequence[Batch]) -> Batch:
-    """Concatenate batches, renumbering ``group`` ids so groups from different calls never merge."""
+    """Concatenate batches, renumbering ``group`` ids so groups from different calls never merge.
+
+    A part without ``prompt_messages`` (its prompts were all text) gets it, None on every row,
+    where another part has it: rows of a text prompt set and of a chat one concatenate."""
     if not batches:
         raise ValueError("concat needs at least one batch")
     # per-row fields a part may lack, filled where another part has them (torch.cat needs the same
@@ -378,6 +390,7 @@ def concat(batches: Sequence[Batch]) -> Batch:
     # without a recorded temperature (make_batch) is at 1.0, as update reads it
     fills = {k: v for k, v in {FILTERED: (torch.bool, False), TEMPERATURE: (torch.float32, 1.0)}.items()
              if any(k in b.keys() for b in batches)}
+    chat = any(PROMPT_MESSAGES in b.keys() for b in batches)
     widths_p = max(b["prompt_ids"].shape[1] for b in batches)
     widths_t = max(b["response_ids"].shape[1] for b in batches)
     parts, offset = [], 0
@@ -386,6 +399,8 @@ def concat(batches: Sequence[Batch]) -> Batch:
         for key, (dtype, value) in fills.items():
             if key not in b.keys():
                 b.set(key, torch.full((b.batch_size[0],), value, dtype=dtype, device=b["response_ids"].device))
+        if chat and PROMPT_MESSAGES not in b.keys():
+            set_column(b, PROMPT_MESSAGES, [None] * b.batch_size[0])  # text prompts
         for k in list(b.keys()):
             v = b.get(k)
             if isinstance(v, torch.Tensor) and v.dim() == 2:

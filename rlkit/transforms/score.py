@@ -3,7 +3,8 @@
 Accepted reward functions, detected by their signature, used unchanged:
 
 - **TRL style** (batched): ``f(completions, prompts=..., completion_ids=..., **columns) -> list[float]``
-  — ``completions`` is the decoded response text; any keyword the function names that is a
+  — ``completions`` is the decoded response text (for a chat prompt, TRL's conversational format:
+  see below); any keyword the function names that is a
   column of the batch (``answer``, ``ground_truth``, ...) is passed as a list. As TRL does, a
   function is called by keyword where it has a ``completions`` parameter, no positional one, or a
   first parameter that is one of the keywords ``score`` passes (``prompts``, ``completion_ids``,
@@ -13,8 +14,8 @@ Accepted reward functions, detected by their signature, used unchanged:
   last two in ``kw["completions"]`` (a function with neither a ``completions`` parameter nor
   ``**kwargs`` is not given them). One whose first parameter has another name
   (``f(responses, answer)``) gets the completions as its first positional argument. The batch's
-  own columns (``rollout_metrics``, ``prompt_text``, ``response_text``) are not passed as data
-  columns.
+  own columns (``rollout_metrics``, ``prompt_text``, ``prompt_messages``, ``response_text``) are
+  not passed as data columns.
 
   TRL also passes every reward ``trainer_state``, ``log_metric`` and ``log_extra``; ``score``
   passes stand-ins to a function that names them or takes ``**kwargs``: ``trainer_state`` has
@@ -61,9 +62,20 @@ the ids: TRL style's ``completion_ids`` keyword, or a batch-style function's
 ``set_column(batch, "response_text", tokenizer.batch_decode(row_tokens(batch["response_ids"],
 batch["response_mask"]), skip_special_tokens=False))`` (both from :mod:`rlkit.batch`).
 
-Chat prompts differ from TRL's conversational format: ``prompts[i]`` is the conversation as a JSON
-string (``json.dumps`` of its message list; ``json.loads`` it back), and ``completions[i]`` is the
-response text, not ``[{"role": "assistant", "content": ...}]``.
+Chat prompts reach TRL-style rewards in TRL's conversational format, as ``GRPOTrainer`` builds it:
+for a row whose prompt was a chat conversation, ``prompts[i]`` is that list of ``{"role",
+"content"}`` messages (a copy: a reward that edits it changes neither the batch nor the other
+rewards' view) and ``completions[i]`` is ``[{"role": "assistant", "content": <response text>}]``;
+``completion_ids`` stays ids. Whether a prompt was a conversation is not guessed from its text (a
+text prompt may be JSON): it is the batch's ``prompt_messages`` column (:data:`rlkit.batch.PROMPT_MESSAGES`),
+which ``rollout`` writes from the prompts :func:`rlkit.load_prompts` read, None on text rows; a batch
+without it (``make_batch``) is all text. TRL decides for the whole batch from its first example;
+``score`` decides per row, so in a batch that mixes chat and text prompts each row gets its own
+format (a text row strings, a chat row lists). verl-style and batch-style rewards are unchanged
+(``solution_str`` is the response text), and ``prompt_text`` stays printable (the JSON of the
+messages): errors name a sample by that text. Where the tokenizer has a response schema
+(transformers 5) TRL parses tool calls out of a completion; ``score`` gives its text as the
+``content``.
 
 Several rewards: pass a list or a ``{name: fn}`` dict, with ``weights``; each one's value is kept
 as ``reward/<name>`` and ``rewards`` is their weighted sum. In training the weights are a
@@ -92,7 +104,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from rlkit._checks import is_real
-from rlkit.batch import RESERVED_COLUMNS, Batch, BatchError, column, columns, row_tokens, shallow_copy, validate
+from rlkit.batch import (PROMPT_MESSAGES, RESERVED_COLUMNS, Batch, BatchError, column, columns, row_tokens, shallow_copy,
+                         validate)
 
 
 class RewardError(ValueError):
@@ -232,10 +245,23 @@ def _texts_if_known(batch: Batch, name: str, tokenizer) -> Sequence[str]:
         return []
 
 
+def _printable(value: Any) -> str:
+    """``value`` as text: itself where it is a string, else its JSON (a conversation, TRL's
+    ``[{"role": "assistant", ...}]`` completion: what a sharded reward's share names), else ``str``."""
+    if isinstance(value, str):
+        return value
+    import json
+
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(value)
+
+
 def _sample_desc(batch: Batch | None, i: int, prompts: Sequence[str], completions: Sequence[str], number: int | None = None) -> str:
     """Row ``i``'s prompt and response, clipped, as errors name a sample (``number``: the row's
     number in the whole batch where ``prompts``/``completions`` are a share of it)."""
-    p, c = (prompts[i] if i < len(prompts) else "?"), (completions[i] if i < len(completions) else "?")
+    p, c = (_printable(prompts[i]) if i < len(prompts) else "?"), (_printable(completions[i]) if i < len(completions) else "?")
     clip = lambda s: s if len(s) <= 80 else s[:77] + "..."  # noqa: E731
     return f"sample {i if number is None else number} (prompt {clip(p)!r}, response {clip(c)!r})"
 
@@ -322,7 +348,49 @@ def call_trl_style(fn: Callable, completions, kwargs: Mapping[str, Any]) -> Any:
     return fn(completions=completions, **kwargs) if takes else fn(**kwargs)
 
 
+def _conversational(batch: Batch, prompts: Sequence[str], completions: Sequence[str]) -> tuple[Sequence[Any], Sequence[Any]]:
+    """``(prompts, completions)`` as TRL passes them: on the rows whose prompt was a chat
+    conversation (the batch's ``prompt_messages`` column is a message list, not None) the
+    conversation (a deep copy, made when the rows are read) and ``[{"role": "assistant",
+    "content": text}]``; on the others the texts. Unchanged (the texts) without the column or
+    with no conversation in it. Rows computed on first access (:class:`LazyRows`), so a reward
+    split over ranks builds only its own share."""
+    if PROMPT_MESSAGES not in batch.keys():
+        return prompts, completions
+    messages = column(batch, PROMPT_MESSAGES)
+    if all(m is None for m in messages):
+        return prompts, completions
+    import copy
+
+    def prompt_rows(lo: int, hi: int) -> list[Any]:
+        texts = prompts[lo:hi] if any(m is None for m in messages[lo:hi]) else [None] * (hi - lo)  # decoded only where needed
+        return [t if m is None else copy.deepcopy(m) for m, t in zip(messages[lo:hi], texts)]
+
+    def completion_rows(lo: int, hi: int) -> list[Any]:
+        return [c if m is None else [{"role": "assistant", "content": c}] for m, c in zip(messages[lo:hi], completions[lo:hi])]
+
+    n = len(messages)
+    return LazyRows(n, prompt_rows), LazyRows(n, completion_rows)
+
+
+def _check_prompt_messages(batch: Batch) -> None:
+    """Raise :class:`BatchError` naming the first row of the batch's ``prompt_messages`` column
+    (where it has one) that is neither a conversation nor None: checked before any reward runs,
+    where it would otherwise be blamed on the reward, or reach it as a prompt."""
+    if PROMPT_MESSAGES not in batch.keys():
+        return
+    messages = column(batch, PROMPT_MESSAGES)
+    bad = next((i for i, m in enumerate(messages) if m is not None and not (
+        isinstance(m, list) and m and all(isinstance(x, abc.Mapping) for x in m))), None)
+    if bad is not None:
+        raise BatchError(f"column {PROMPT_MESSAGES!r} row {bad} is {type(messages[bad]).__name__} {messages[bad]!r:.60}; each row "
+                         "holds its prompt's chat conversation (a non-empty list of {'role': ..., 'content': ...} dicts) or None "
+                         "for a text prompt: set it with set_column, or drop it (batch.exclude(...)) to score every row as text")
+
+
 def _call_trl(fn, batch, prompts, completions, logged: dict[str, list[float]]) -> list[Any]:
+    # TRL's conversational format on chat rows (texts stay the texts: errors name samples by those)
+    prompts, completions = _conversational(batch, prompts, completions)
     params = _parameters(fn)
     has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     ids, mask = batch["response_ids"], batch["response_mask"]
@@ -641,11 +709,17 @@ def score(
     Rewards get the texts of the batch's ``prompt_text`` / ``response_text`` columns, else the ids
     decoded with ``tokenizer`` and ``skip_special_tokens=True`` (as TRL and verl do): special
     tokens a response holds (``"4<unk>6"``) are not in its text (``"46"``); the module docstring
-    says how to score them. Chat prompts reach rewards as JSON text, not TRL's message lists."""
+    says how to score them. On rows whose prompt was a chat conversation (the batch's
+    ``prompt_messages`` column, which ``rollout`` writes) TRL-style rewards get TRL's
+    conversational format: ``prompts[i]`` the message list, ``completions[i]``
+    ``[{"role": "assistant", "content": text}]``; text rows, and verl- and batch-style rewards,
+    get the texts (the module docstring says more)."""
     validate(batch, require=("response_ids", "response_mask"))
     fns = _reward_functions(reward)
     w = _reward_weights(weights, fns)
     needs_text = any(reward_style(fn) != "batch" for fn in fns.values())
+    if any(reward_style(fn) == "trl" for fn in fns.values()):
+        _check_prompt_messages(batch)
     # decoded on first access (LazyRows), inside each reward's range: a reward split over ranks
     # decodes only its rows, a batch-style reward none of them (an error naming a sample shows its
     # text where a tokenizer or the text columns can give it)
