@@ -527,7 +527,9 @@ def launch(
     (or an :class:`rlkit.Pipeline`) runs ``plan.fit`` on the workers and returns ``(state, history)``:
     the caller's state loaded with the trained one, and rank 0's history; ``plan.fit``'s keywords
     (``sinks`` called here as the workers log each step, ``eval_fn``, ``eval_every``,
-    ``checkpointer``, ``shuffle``) go with it. See :mod:`rlkit.launch_fit`.
+    ``checkpointer``, ``shuffle``) go with it. With neither ``sinks`` nor ``on_metrics`` it shows a
+    progress bar over the steps (:class:`rlkit.observe.console.ConsoleSink`) instead of a line per
+    step. See :mod:`rlkit.launch_fit`.
 
     Entries registered in this process by code outside rlkit (``rk.algos.ADVANTAGE_ESTIMATORS.register
     ("median")(fn)`` in a notebook, ``override=True`` replacements of built-ins, entries added to

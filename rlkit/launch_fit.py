@@ -19,7 +19,8 @@ a split placement), shards the state (FSDP2 actor, engine in the generation layo
 (torch.distributed.checkpoint) and the caller loads it into its own state, which it returns: the
 notebook goes on with the trained models, optimizer moments and schedule, exactly where the
 workers left them. Rank 0's history is returned with it, and every step's metrics stream to the
-caller's ``sinks`` as the workers log them (live plots in a notebook).
+caller's ``sinks`` as the workers log them (live plots in a notebook); with no sinks (and no
+``on_metrics``) a progress bar shows the steps with the latest reward and accuracy.
 
 The state passed in is donated only when the launch succeeds (as ``fit`` donates it); when a
 worker fails, it is untouched and the :class:`rlkit.launch.WorkerError` is raised: pass a
@@ -252,7 +253,7 @@ def launch_fit(target, args: tuple, kwargs: dict, launch_options: dict):
     import torch
 
     from rlkit import checkpoint
-    from rlkit.launch import WorkerError, launch, print_metrics
+    from rlkit.launch import WorkerError, launch
     from rlkit.models.compile import is_compiled
     from rlkit.observe.sinks import as_sinks, rewind_all
 
@@ -275,8 +276,14 @@ def launch_fit(target, args: tuple, kwargs: dict, launch_options: dict):
     if state.step > 0:
         rewind_all(sinks, state.step)  # a resumed state: the sinks drop the steps this run redoes, as in fit
     on_metrics = launch_options.pop("on_metrics", None)
+    bar = None
     if on_metrics is None and not sinks:
-        on_metrics = print_metrics  # launch's default: one line per step
+        # the default: a progress bar over the steps with the latest reward, accuracy, entropy, KL and
+        # log-prob gap (what `rlkit run` shows), not every metric of every step as a line of text
+        from rlkit.observe.console import ConsoleSink
+
+        bar = ConsoleSink(steps, "rk.launch")
+        sinks = [bar]
     feed = _Feed(sinks, on_metrics)
     on_accelerator = state.device.type != "cpu"
     compiled = tuple(role for role in ("actor", "ref", "critic") if getattr(state, role) is not None and is_compiled(getattr(state, role)))
@@ -290,6 +297,8 @@ def launch_fit(target, args: tuple, kwargs: dict, launch_options: dict):
                        "pass checkpointer=rk.Checkpointer(folder) and resume from that folder")
         raise
     finally:
+        if bar is not None:
+            bar.close()
         if os.path.exists(state_file):  # a copy of the caller's state: as large as the models and optimizer
             os.remove(state_file)
     trained = checkpoint.latest(result_dir)

@@ -144,7 +144,9 @@ def runs(tmp_path_factory):
     proc = subprocess.run([sys.executable, "-c", NOTEBOOK, str(folder)], capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    out = json.loads(lines[-1][len("RESULT "):])
+    out["stdout"], out["stderr"] = proc.stdout, proc.stderr
+    return out
 
 
 def test_one_process_launch_computes_what_plan_fit_does_in_the_notebook(runs):
@@ -182,6 +184,14 @@ def test_lower_gives_the_workers_what_exists_only_on_several_processes(runs):
 def test_the_callers_sinks_get_every_step_as_the_workers_log_it(runs):
     assert [step for step, _ in runs["one_sink"]] == [1, 2]
     assert [metrics for _, metrics in runs["one_sink"]] == runs["one_history"]
+
+
+def test_a_launch_without_sinks_shows_a_progress_bar_not_a_line_of_metrics_per_step(runs):
+    # the two-process launches pass no sinks: the caller shows a bar over the steps (stderr is a pipe
+    # here, so the bar prints its plain record lines) with the latest reward, and no metric lines
+    assert "rk.launch 2/2" in runs["stderr"], runs["stderr"][-3000:]
+    assert "reward=" in runs["stderr"]
+    assert "[rank 0]" not in runs["stdout"], runs["stdout"][-3000:]
 
 
 def test_two_process_launch_returns_the_state_the_hand_written_route_reaches(runs):
