@@ -22,13 +22,13 @@ pytestmark = pytest.mark.distributed
 LR = 1e-3
 GROWTH = 2  # loss_scale_growth_interval: finite steps in a row that double the scale
 ROWS = 8  # per update: 2 mini-batches of 4 rows, 2 rows per rank
-# AdamW without master copies keeps float16 moments. fused=True, explicit: rlkit picks torch's fused
-# kernel (float32 arithmetic) for plain CPU tensors only, and over FSDP's DTensor shards torch's
-# default computes in float16, where eps=1e-8 is 0 and an underflowed second moment makes the first
-# step inf/NaN. eps=1e-4: a second moment stored in float16 underflows for gradients below ~1e-3,
-# and with eps=1e-8 the next step divides by ~0 (entries moved by 3.6, FSDP and one process 4.8
-# apart); at 1e-4 a step stays about lr, and the two runs end within a float16 ulp
-OPT = dict(fused=True, eps=1e-4)
+# AdamW without master copies keeps float16 moments; rlkit picks torch's fused kernel (float32
+# arithmetic) on the CPU, for FSDP's DTensor shards too (torch's default loop steps a float16 shard
+# in float16, where eps=1e-8 is 0: the first step was inf/NaN on every rank). eps=1e-4: a second
+# moment stored in float16 underflows for gradients below ~1e-3, and with eps=1e-8 the next step
+# divides by ~0 (entries moved by 3.6, FSDP and one process 4.8 apart); at 1e-4 a step stays about
+# lr, and the two runs end within a float16 ulp
+OPT = dict(eps=1e-4)
 START = 2.0**12  # the first loss scale
 # each update's advantage magnitude: 1e4 makes the scaled gradients overflow at 2**12 and at 2**11
 # by far (still at a tenth of it), 1 keeps them finite at 2**10 to 2**12 by far (still at 3 times
@@ -94,9 +94,10 @@ def _job() -> dict:
         plan = rk.Pipeline(rk.recipes.get("grpo"), reward=task.reward).lower()
         state = plan.shard(state)
         sharded = all(type(p.data) is not torch.Tensor for p in state.actor.parameters())
+        fused = [g.get("fused") for g in state.optimizer.param_groups]
         state, trace = _train(state, batches)
         params = {k: v.full_tensor().detach().clone() for k, v in state.actor.named_parameters()}
-        return {"rank": info.rank, "trace": trace, "params": params, "sharded": sharded,
+        return {"rank": info.rank, "trace": trace, "params": params, "sharded": sharded, "fused": fused,
                 "dtypes": sorted({str(p.dtype) for p in state.actor.parameters()})}
     finally:
         shutdown()
@@ -130,6 +131,7 @@ def test_the_scenario_overflows_steps_grows_and_overflows_again(single):
 
 def test_every_rank_holds_the_same_scale_and_overflow_count(ranks):
     assert all(r["sharded"] and r["dtypes"] == ["torch.float16"] for r in ranks)
+    assert all(set(r["fused"]) == {True} for r in ranks)  # the shards step in torch's fused kernel
     assert ranks[0]["trace"] == ranks[1]["trace"]
 
 
