@@ -420,8 +420,15 @@ def _alive(pid: int) -> bool:
 
 
 def print_metrics(rank: int, metrics: dict) -> None:
-    """Default ``on_metrics``: one line per record."""
-    parts = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()]
+    """Default ``on_metrics``: one line per record; a table (the ``samples`` metric, a list of
+    dicts) as its row count, ``<2 rows>``, not its texts."""
+    from rlkit.observe.sinks import table_rows
+
+    def shown(v):
+        rows = table_rows(v)
+        return f"<{len(rows)} row{'s' if len(rows) != 1 else ''}>" if rows is not None else f"{v:.4g}" if isinstance(v, float) else f"{v}"
+
+    parts = [f"{k}={shown(v)}" for k, v in metrics.items()]
     print(f"[rank {rank}] " + " ".join(parts), flush=True)
 
 

@@ -3,12 +3,16 @@
 The sinks that need optional packages live in submodules loaded on first use, so ``import rlkit``
 never imports ipywidgets, matplotlib, wandb or prometheus-client: ``rk.observe.notebook.Dashboard``,
 ``rk.observe.console.ConsoleSink``, ``rk.observe.wandb_sink`` and ``rk.observe.prometheus``.
+
+``rk.observe.samples(batch, k)`` is a few rows of a scored batch as ``{"prompt", "response",
+"reward"}`` dicts: the ``samples`` metric a recipe's ``log_samples=k`` adds to each step, which
+the dashboard, the console (``samples_every``) and wandb show as a table.
 """
 import importlib
 
-from rlkit.observe.sinks import CallbackSink, JSONLSink, ListSink, Sink, broadcast, close_all, rewind_all
+from rlkit.observe.sinks import CallbackSink, JSONLSink, ListSink, Sink, broadcast, close_all, rewind_all, samples, table_rows
 
-__all__ = ["Sink", "JSONLSink", "ListSink", "CallbackSink", "broadcast", "close_all", "rewind_all"]
+__all__ = ["Sink", "JSONLSink", "ListSink", "CallbackSink", "broadcast", "close_all", "rewind_all", "samples", "table_rows"]
 
 _SUBMODULES = ("console", "notebook", "prometheus", "wandb_sink")
 

@@ -8,9 +8,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Column, Table
+from rich.text import Text
 
 from rlkit._checks import int_at_least
-from rlkit.observe.sinks import as_keys, format_value
+from rlkit.observe.sinks import as_keys, as_number, clip_text, format_value, table_columns, table_rows
 
 DEFAULT_KEYS = ("reward/mean", "eval/accuracy", "actor/entropy", "actor/approx_kl", "actor/logprob_gap")
 SHORT = {"reward/mean": "reward", "eval/accuracy": "acc", "actor/entropy": "ent", "actor/approx_kl": "kl", "actor/logprob_gap": "gap"}
@@ -36,12 +37,21 @@ class ConsoleSink:
     ``RL (grpo) 120/1000 0:12:34 1:30:00 reward=0.41 acc=0.43`` (step/total, elapsed, remaining,
     the values), wrapped between values only where the console is narrower. :meth:`close` prints
     the final bar only when no record shows the last step already. A terminal (and Jupyter) keeps
-    the live bar alone."""
+    the live bar alone.
+
+    A metric that is a list of dicts (``samples``: a recipe's ``log_samples``) never shows in the
+    bar (``<2 rows>`` if named in ``keys``); with ``samples_every=N`` it is printed as a table
+    (:func:`samples_table`, texts clipped to ``sample_chars``) at every step that is a multiple
+    of N, as TRL prints its completions every logging step. None (the default): never."""
 
     def __init__(self, total: int | None, description: str = "RL", keys: str | Sequence[str] = DEFAULT_KEYS, console: Console | None = None,
-                 *, log_every_s: float | None = 30.0):
+                 *, log_every_s: float | None = 30.0, samples_every: int | None = None, sample_chars: int = 120):
         if total is not None:
             int_at_least(total, "ConsoleSink: total", 0, " or None (unknown)")
+        if samples_every is not None:
+            int_at_least(samples_every, "ConsoleSink: samples_every", 1, " or None (never print the samples)")
+        int_at_least(sample_chars, "ConsoleSink: sample_chars", 1, " (characters of a sample's text shown)")
+        self.samples_every, self.sample_chars = samples_every, sample_chars
         if log_every_s is not None and (isinstance(log_every_s, bool) or not isinstance(log_every_s, (int, float)) or not log_every_s >= 0):
             raise ValueError(f"ConsoleSink: log_every_s must be a number of seconds >= 0 or None (no periodic records), got {log_every_s!r}")
         self.console = console or Console(stderr=True)
@@ -81,6 +91,11 @@ class ConsoleSink:
             now = time.monotonic()
             if self._recorded_at is None or reached or now - self._recorded_at >= self.log_every_s:
                 self._record(now)
+        if self.samples_every is not None and step % self.samples_every == 0:
+            for key, value in metrics.items():
+                rows = table_rows(value)
+                if rows is not None:
+                    self.console.print(samples_table(rows, f"{key} (step {step})", self.sample_chars))
 
     def _record(self, now: float) -> None:
         """The bar's line as plain text, no bar: ``RL (grpo) 120/1000 0:12:34 1:30:00 reward=0.41 acc=0.43``
@@ -114,4 +129,19 @@ def summary_table(title: str, rows: Sequence[tuple[str, str]]) -> Table:
     table.add_column("value", justify="right")
     for k, v in rows:
         table.add_row(k, v)
+    return table
+
+
+def samples_table(rows: Sequence[dict], title: str = "samples", max_chars: int = 120) -> Table:
+    """A rich table of ``rows`` (``rk.observe.samples``' dicts): one column per key, numbers to 3
+    significant digits, texts clipped to ``max_chars`` for display and taken as plain text (a
+    response holding ``[bold]`` is not rich markup)."""
+    rows = table_rows(list(rows)) or []
+    table = Table(title=title, show_lines=True)
+    columns = table_columns(rows)
+    for name in columns:
+        numeric = all(as_number(row.get(name)) is not None or row.get(name) is None for row in rows)
+        table.add_column(name, justify="right" if numeric else "left", overflow="fold")
+    for row in rows:
+        table.add_row(*(Text(clip_text(v if isinstance(v, str) else format_value(v), max_chars)) for v in (row.get(c) for c in columns)))
     return table

@@ -11,7 +11,8 @@ earlier one registered there.
 
 Metric names are ``{prefix}_{key}`` with every character outside ``[a-zA-Z0-9_]`` replaced by
 ``_`` (``reward/mean`` -> ``rlkit_reward_mean``); numbers of any kind (numpy scalars, 0-d tensors)
-are exported as floats, non-numeric values are skipped. ``{prefix}_step`` is the step count given
+are exported as floats, non-numeric values (text, the ``samples`` table of a recipe's ``log_samples``) are
+skipped. ``{prefix}_step`` is the step count given
 to ``on_step``; a metric named ``step`` is not exported (the step count
 has that name). Two keys that give one name (``reward/mean``, ``reward_mean``) would overwrite each
 other's gauge: the first keeps the name, and the later one is skipped with a warning that names

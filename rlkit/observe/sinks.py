@@ -64,11 +64,110 @@ def as_keys(keys: str | Iterable[str]) -> tuple[str, ...]:
 
 def format_value(value: Any) -> str:
     """A metric value for a progress bar or dashboard: a number (of any kind) to 3 significant
-    digits, None as ``-``, anything else as its text (an odd value must not end a run at its display)."""
+    digits, None as ``-``, a table (:func:`table_rows`: the ``samples`` metric) as its row count
+    (``<2 rows>``: its texts would flood a one-line display), anything else as its text (an odd
+    value must not end a run at its display)."""
     n = as_number(value)
     if n is not None:
         return f"{n:.3g}"
+    rows = table_rows(value)
+    if rows is not None:
+        return f"<{len(rows)} row{'s' if len(rows) != 1 else ''}>"
     return "-" if value is None else str(value)
+
+
+def table_rows(value: Any) -> list[dict] | None:
+    """``value`` as the rows of a table, when it is a non-empty list (or tuple) of dicts (the
+    ``samples`` metric :func:`samples` builds, or a user's own); else None. Sinks that can show a
+    table (the notebook dashboard, wandb, the console's samples table) take such a metric as one;
+    the others keep it as JSON (:class:`JSONLSink`, :class:`ListSink`) or skip it (Prometheus)."""
+    if isinstance(value, (list, tuple)) and value and all(isinstance(row, dict) for row in value):
+        return list(value)
+    return None
+
+
+def table_columns(rows: Iterable[dict]) -> list[str]:
+    """The keys of ``rows``, in order of first appearance: a table's columns (``prompt``,
+    ``response``, ``reward``, ``advantage`` for :func:`samples`)."""
+    return list(dict.fromkeys(str(k) for row in rows for k in row))
+
+
+def clip_text(text: str, max_chars: int) -> str:
+    """``text`` cut to at most ``max_chars`` characters, the cut marked with ``…``: for display
+    only (the data a sink keeps is never clipped)."""
+    return text if len(text) <= max_chars else text[: max(0, max_chars - 1)] + "…"
+
+
+def samples(batch, k: int = 4, tokenizer=None) -> list[dict[str, Any]]:
+    """Up to ``k`` rows of a scored Batch as plain JSON-able dicts, to see what the model writes:
+    ``{"prompt": str, "response": str, "reward": float}``, plus ``"advantage"`` (the row's mean
+    advantage over its response tokens, None for an empty response) where the batch has
+    ``advantages``. TRL's ``log_completions`` / ``num_completions_to_print`` show the same; a
+    recipe's ``log_samples=k`` puts this list in each step's metrics as ``"samples"``.
+
+    The rows come from different prompts: the first sample of each of the first ``k`` groups
+    (``batch["group"]``, in order of first appearance), then the second sample of each, and so on,
+    so that a batch of fewer than ``k`` prompts still gives ``k`` rows. The choice depends only on
+    the batch (no random draw): a rerun shows the same rows.
+
+    The texts are the batch's ``prompt_text`` / ``response_text`` columns, else the rows' ids decoded
+    with ``tokenizer`` and ``skip_special_tokens=True`` (what ``rk.score`` gave the rewards); only
+    the ``k`` rows shown are decoded. Nothing is clipped: sinks clip long texts for display."""
+    import torch
+
+    from rlkit._checks import int_at_least
+    from rlkit.batch import BatchError, column, row_tokens, validate
+
+    int_at_least(k, "rk.observe.samples: k", 0, " (rows to show)")
+    try:
+        validate(batch, require=("response_ids", "response_mask", "rewards"))
+    except BatchError as e:
+        raise BatchError(f"rk.observe.samples: {e}") from None
+    b = batch.batch_size[0]
+    groups = batch["group"].tolist() if "group" in batch.keys() else list(range(b))
+    first_seen: dict[Any, int] = {}
+    taken: dict[Any, int] = {}
+    order = []  # (sample's index within its group, its group's order, row)
+    for row, g in enumerate(groups):
+        first_seen.setdefault(g, len(first_seen))
+        taken[g] = taken.get(g, 0) + 1
+        order.append((taken[g] - 1, first_seen[g], row))
+    rows = [row for *_, row in sorted(order)[:k]]
+    if not rows:
+        return []
+
+    index = torch.tensor(rows, dtype=torch.long, device=batch["response_ids"].device)
+
+    def texts(name: str, ids_field: str, mask_field: str) -> list[str]:
+        if name in batch.keys():
+            values = column(batch, name)
+            return [v if isinstance(v, str) else _json_text(v) for v in (values[i] for i in rows)]
+        if tokenizer is None:
+            raise BatchError(f"rk.observe.samples: the batch has no {name!r} column and no tokenizer was given to decode "
+                             f"{ids_field}; pass tokenizer= (state.tokenizer, or task.tokenizer), or set the column "
+                             f"(rlkit.batch.set_column(batch, {name!r}, texts))")
+        from rlkit.models.tokenizers import decode_batch
+
+        return decode_batch(tokenizer, row_tokens(batch[ids_field][index], batch[mask_field][index]))
+
+    prompts = texts("prompt_text", "prompt_ids", "prompt_mask")
+    responses = texts("response_text", "response_ids", "response_mask")
+    rewards = batch["rewards"][index].float().tolist()
+    out = [{"prompt": p, "response": r, "reward": _json_number(w)} for p, r, w in zip(prompts, responses, rewards)]
+    if "advantages" in batch.keys():
+        mask = batch["response_mask"][index].float()
+        means = ((batch["advantages"][index].float() * mask).sum(-1) / mask.sum(-1)).tolist()  # NaN (None) for an empty response
+        for sample, mean in zip(out, means):
+            sample["advantage"] = _json_number(mean)
+    return out
+
+
+def _json_text(value: Any) -> str:
+    """A text column's non-string value (a chat conversation) as its JSON, else ``str``."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def _json_number(n: int | float) -> int | float | None:

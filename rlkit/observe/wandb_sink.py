@@ -4,12 +4,16 @@ The mode is wandb's own where it is given: ``mode=`` to the sink, or ``WANDB_MOD
 writes nothing, as in CI). Otherwise it runs online where wandb has a key (``WANDB_API_KEY``, or
 the one ``wandb login`` stores in ``~/.netrc``), and offline without one: a local run you can
 ``wandb sync`` later.
+
+A metric that is a list of dicts (``samples``: a recipe's ``log_samples``, ``rk.observe.samples``)
+is logged as a ``wandb.Table`` under its name, columns ``step`` and the rows' keys (``prompt``,
+``response``, ``reward``, ``advantage``), as TRL logs its completions; numbers as they are.
 """
 from __future__ import annotations
 
 import os
 
-from rlkit.observe.sinks import _metric_items
+from rlkit.observe.sinks import _json_ready, _metric_items, table_columns, table_rows
 
 
 class WandbSink:
@@ -22,12 +26,22 @@ class WandbSink:
         # it again); without either, offline only where wandb would have no key to go online with
         mode = init_kwargs.pop("mode", None) or os.environ.get("WANDB_MODE") or (None if _has_key() else "offline")
         self.run = wandb.init(project=project, config=config or {}, **({"mode": mode} if mode else {}), **init_kwargs)
+        self._wandb = wandb
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         # commit now: by default wandb holds a step's values until the next step's arrive, and a
         # run that dies before then (or before close) would lose its last step
         # (the step is wandb's step: a metric named "step" would be a chart of its own)
-        self.run.log(dict(_metric_items(metrics)), step=step, commit=True)
+        row = {k: self._table(step, rows) if (rows := table_rows(v)) is not None else v for k, v in _metric_items(metrics)}
+        self.run.log(row, step=step, commit=True)
+
+    def _table(self, step: int, rows: list[dict]):
+        """``rows`` as a ``wandb.Table`` with a ``step`` column first (each step's table is its own
+        version in the run: the step says which one a row came from). Values are JSON-ready (a
+        numpy reward as a number), a key a row lacks is None."""
+        columns = [c for c in table_columns(rows) if c != "step"]  # a row's own "step" would be a second column of that name
+        data = [[step, *(_json_ready(row.get(c)) for c in columns)] for row in rows]
+        return self._wandb.Table(columns=["step", *columns], data=data)
 
     def close(self) -> None:
         self.run.finish()

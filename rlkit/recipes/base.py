@@ -89,6 +89,10 @@ class Recipe:
     #: weights of several reward functions (``rk.score``'s ``weights``): a list, one per function
     #: in the reward's order, or a ``{name: weight}`` dict naming them all; None: 1 each
     reward_weights: tuple | dict | None = None
+    #: rows of each step's batch shown as the ``"samples"`` metric (``rk.observe.samples``: prompt,
+    #: response, reward, advantage, from different prompts), which the dashboard, the console and
+    #: wandb show as a table: TRL's ``log_completions`` / ``num_completions_to_print``. 0: none
+    log_samples: int = 0
 
     def __post_init__(self):
         # checked when the recipe is built (rk.recipes.get, with_), not at its first rollout
@@ -111,6 +115,7 @@ class Recipe:
             if getattr(self, field_name) is not None:
                 int_at_least(getattr(self, field_name), f"{name}.{field_name}", 1, " or None")
         int_at_least(self.epochs, f"{name}.epochs", 1)
+        int_at_least(self.log_samples, f"{name}.log_samples", 0, " (rows shown per step as the 'samples' metric; 0: none)")
         # a negative norm used to be accepted and turned every update into gradient ascent
         positive_finite_or_none(self.max_grad_norm, f"{name}.max_grad_norm", "no clipping")
         # names too: a misspelt loss, option or aggregation used to surface after the first rollout
@@ -221,6 +226,18 @@ class Recipe:
             return None
         takes = "horizon" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
         return self.max_new_tokens if takes else None
+
+    def sample_metrics(self, state, batch: Batch) -> dict[str, Any]:
+        """``{"samples": [...]}``: ``log_samples`` rows of ``batch`` (:func:`rlkit.observe.samples`,
+        decoded with ``state.tokenizer`` where the batch has no text columns) for a step's metrics;
+        ``{}`` when ``log_samples`` is 0, so the metrics are only numbers, as before. ``state`` is
+        the one the update returned (the one given to it is donated). On several ranks each has its
+        own rows; ``rk.fit`` logs rank 0's."""
+        if not self.log_samples:
+            return {}
+        from rlkit.observe.sinks import samples
+
+        return {"samples": samples(batch, self.log_samples, tokenizer=state.tokenizer)}
 
     def needs_ref(self) -> bool:
         return bool(self.kl and self.kl[1])

@@ -19,7 +19,9 @@ skipped non-finite step does; ``state.step`` goes on, ``dapo/skipped_steps`` is 
 generation batches run out; here a hard stretch of prompts does not end the run.
 
 The reported ``reward/*`` metrics are the first rollout's rewards before the penalty
-(``dapo/overlong_penalty_mean`` is the penalty's mean over that rollout).
+(``dapo/overlong_penalty_mean`` is the penalty's mean over that rollout); so are the rows of
+``log_samples`` (what the model wrote for this step's prompts, the groups the filter drops too,
+without advantages: the first rollout has none).
 """
 from __future__ import annotations
 
@@ -112,7 +114,8 @@ class DAPO(Recipe):
                 kept.append(informative)
             attempts += 1
         if not kept:
-            return self._skip(state, first, sampled, attempts, penalty_mean)
+            state, metrics = self._skip(state, first, sampled, attempts, penalty_mean)
+            return state, {**metrics, **self.sample_metrics(state, first)}
         batch = concat(kept)[:target]
         # trim to whole groups so every group keeps all n samples
         batch = batch[: (batch.batch_size[0] // self.n) * self.n] if batch.batch_size[0] >= self.n else batch
@@ -134,7 +137,7 @@ class DAPO(Recipe):
                  "dapo/overlong_penalty_mean": penalty_mean,
                  "dapo/trained_rows": float(batch.batch_size[0]), "dapo/dropped_rows": float(rows - batch.batch_size[0]),
                  "dapo/skipped_steps": 0.0}
-        return state, {**rollout_metrics(first), **reward_metrics(first), **metrics, **extra}
+        return state, {**rollout_metrics(first), **reward_metrics(first), **metrics, **extra, **self.sample_metrics(state, first)}
 
     @staticmethod
     def _skip(state, first, sampled: int, attempts: int, penalty_mean: float):

@@ -24,7 +24,7 @@ class GRPO(Recipe):
         batch = self.score(state, batch, reward)
         batch = advantage(batch, self.estimator)
         state, metrics = update(state, batch, **self.update_kwargs())
-        return state, {**rollout_metrics(batch), **reward_metrics(batch), **metrics}
+        return state, {**rollout_metrics(batch), **reward_metrics(batch), **metrics, **self.sample_metrics(state, batch)}
 
 
 def drgrpo(**kw) -> GRPO:

@@ -42,4 +42,4 @@ class PPO(Recipe):
         batch = compute_values(state, batch, micro_batch_size=self.micro_batch_size)
         batch = advantage(batch, "gae", gamma=self.gamma, lam=self.lam)
         state, metrics = update(state, batch, value_clip=self.value_clip, **self.update_kwargs())
-        return state, {**rollout_metrics(batch), **reward_metrics(batch), **metrics}
+        return state, {**rollout_metrics(batch), **reward_metrics(batch), **metrics, **self.sample_metrics(state, batch)}

@@ -26,7 +26,7 @@ class CriticFree(Recipe):
         batch = self.score(state, self.device_passes(state, self.sample(state, prompts)), reward)
         batch = advantage(batch, self.estimator)
         state, metrics = update(state, batch, **self.update_kwargs())
-        return state, {**rollout_metrics(batch), **reward_metrics(batch), **metrics}
+        return state, {**rollout_metrics(batch), **reward_metrics(batch), **metrics, **self.sample_metrics(state, batch)}
 
 
 def rloo(**kw) -> CriticFree:
