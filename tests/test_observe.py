@@ -239,10 +239,11 @@ def test_prometheus_name_collisions_keep_the_first_and_warn_once():
 
 
 class _Widget:
-    """Stands in for an ipywidgets widget: holds ``value``, and works as an ``Output`` context."""
+    """Stands in for an ipywidgets widget (any of IntProgress, HTML, Output, VBox): holds ``value``,
+    ``max`` and a box's ``children``, and works as an ``Output`` context."""
 
-    def __init__(self):
-        self.value = None
+    def __init__(self, *args, **kwargs):
+        self.value, self.max, self.children = None, kwargs.get("max"), args[0] if args else None
 
     def clear_output(self, wait=False):
         pass

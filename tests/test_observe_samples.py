@@ -238,25 +238,13 @@ def test_samples_html_escapes_clips_and_formats():
     assert samples_html([]) == ""
 
 
-class _Widget:
-    def __init__(self, *args, **kwargs):
-        self.value, self.max, self.children = None, kwargs.get("max"), args[0] if args else None
-
-    def clear_output(self, wait=False):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def test_a_dashboard_in_a_kernel_shows_the_latest_samples_under_its_plot(monkeypatch):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from test_observe import _Widget  # the stand-in widget of tests/test_observe.py
 
     from rlkit.observe.notebook import Dashboard
 
