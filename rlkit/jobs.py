@@ -41,6 +41,7 @@ DEFAULTS = dict(
     checkpoint_every=0,
     keep_checkpoints=3,
     teacher_error=0.6,
+    samples=0,
 )
 
 
@@ -72,6 +73,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=d["eval_every"],
                    help=f"measure held-out accuracy every K RL steps and after the last (default {d['eval_every']}; "
                         "0: only after the warm-up and at the end)")
+    p.add_argument("--samples", type=int, default=d["samples"],
+                   help="show what the model writes: K sampled responses (from different prompts) with their rewards, as a "
+                        "table at every evaluation (--eval-every) and in OUT/metrics.jsonl each step (default 0: none)")
     p.add_argument("--eval-size", type=int, default=d["eval_size"],
                    help=f"held-out prompts scored (greedy) for accuracy, at most the task's test set (default {d['eval_size']})")
     p.add_argument("--out", default=None, help="directory: saves the model (save_pretrained), metrics.jsonl and summary.json; "
@@ -122,6 +126,8 @@ def _options(options: dict[str, Any] | None) -> argparse.Namespace:
     if merged["size"] not in PRESETS:
         # refused by tiny() only after the previous run's output was set aside
         raise ValueError(f"option 'size' (--size) is {merged['size']!r}; the model presets are {sorted(PRESETS)}")
+    if merged["samples"] < 0:
+        raise ValueError(f"option 'samples' (--samples) must be >= 0 (sampled responses shown per step; 0: none), got {merged['samples']}")
     if merged["keep_checkpoints"] < 0:
         raise ValueError(f"option 'keep_checkpoints' (--keep-checkpoints) must be >= 0 (0: keep every checkpoint), "
                          f"got {merged['keep_checkpoints']}")
@@ -232,7 +238,7 @@ def _recipe_before_warmup(opts: argparse.Namespace):
             raise ValueError(f"option 'out' (--out {opts.out}) cannot be created or written to ({type(e).__name__}: "
                              f"{e.strerror or e}); give a directory you can write to") from None
     recipe = recipes.get(opts.algo, n=opts.n, temperature=opts.temperature,  # the recipe checks these
-                         kl=("low_var_kl", opts.kl) if opts.kl else None)
+                         kl=("low_var_kl", opts.kl) if opts.kl else None, log_samples=opts.samples)
     if opts.n < 2 and not recipe.needs_critic() and getattr(recipe, "estimator", "grpo") in GROUP_ESTIMATORS:
         raise ValueError(f"option 'n' is {opts.n}, but --algo {opts.algo} compares the samples of each prompt with each "
                          "other; use --n 2 or more (or --algo ppo, whose critic needs no groups)")
@@ -419,7 +425,10 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     if opts.out and rank == 0:
         os.makedirs(opts.out, exist_ok=True)
         sinks.append(JSONLSink(os.path.join(opts.out, "metrics.jsonl")))
-    bar = ConsoleSink(opts.steps, f"RL ({opts.algo})", console=console) if not opts.quiet and rank == 0 else None
+    # --samples: the table at each evaluation's step (and the last), where the accuracy shows too
+    shown_every = (opts.eval_every or opts.steps) if opts.samples else None
+    bar = (ConsoleSink(opts.steps, f"RL ({opts.algo})", console=console, samples_every=shown_every)
+           if not opts.quiet and rank == 0 else None)
     if bar:
         sinks.append(bar)
     try:

@@ -94,7 +94,7 @@ def test_eval_size_above_the_test_set_is_refused_before_the_warm_up(monkeypatch,
     assert check_options("arithmetic", {"eval_size": 200})[0].eval_size == 200  # the whole test set (the default)
 
 
-@pytest.mark.parametrize("flag", ["--sft-lr", "--temperature", "--seed", "--eval-every", "--eval-size"])
+@pytest.mark.parametrize("flag", ["--sft-lr", "--temperature", "--seed", "--eval-every", "--eval-size", "--samples"])
 def test_every_run_flag_has_help(flag):
     import argparse
 
