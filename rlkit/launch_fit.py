@@ -179,22 +179,39 @@ class _Emit:
 
 
 class _Feed:
-    """The caller's ``on_metrics``: each streamed step into the caller's sinks (and ``on_metrics``)."""
+    """The caller's ``on_metrics``: each streamed step into the caller's sinks (and ``on_metrics``).
+
+    A sink (or ``on_metrics``) that raises does not stop the others or the run: the workers go on
+    (they cannot be told), every other sink gets every step, and the first failure is kept in
+    ``error`` as ``(what, step, exception)`` for ``launch_fit`` to raise once the trained state is
+    back. The first sink that raised used to keep the sinks after it from ever getting a step, and
+    the launch then raised "on_metrics raised ..." without returning the trained state."""
 
     def __init__(self, sinks: list, on_metrics):
         self.sinks = sinks
         self.on_metrics = on_metrics
+        self.error: tuple[str, Any, BaseException] | None = None
+
+    def _failed(self, what: str, step: Any, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = (what, step, exc)
 
     def __call__(self, rank: int, record: dict) -> None:
         if self.on_metrics is not None:
-            self.on_metrics(rank, dict(record))
+            try:
+                self.on_metrics(rank, dict(record))
+            except Exception as e:  # noqa: BLE001 - raised by launch_fit after the run, with the trained state
+                self._failed(f"on_metrics {self.on_metrics!r:.80}", record.get("step"), e)
         record = dict(record)
         step = record.pop("step", None)
         if step is None:
             return
         metrics = {k: _NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()}
         for sink in self.sinks:
-            sink.on_step(step, metrics)
+            try:
+                sink.on_step(step, metrics)
+            except Exception as e:  # noqa: BLE001 - as rk.fit's broadcast: the other sinks still get the step
+                self._failed(f"sink {sink!r:.80}", step, e)
 
 
 def _fit_worker(pipeline, options: dict, state_file: str, prompts, steps: int, batch_size: int, fit_kwargs: dict,
@@ -307,5 +324,13 @@ def launch_fit(target, args: tuple, kwargs: dict, launch_options: dict):
     trained_state = checkpoint.load(state, trained, checksum=False, load_ref=False)
     state.donate("rlkit.launch", trained_state)  # the old handle's error names the launch, not the load inside it
     shutil.rmtree(result_dir, ignore_errors=True)  # loaded: the caller holds it now
+    if feed.error is not None:
+        what, step, exc = feed.error
+        error = RuntimeError(
+            f"rk.launch: {what} raised {type(exc).__name__}: {exc} at step {step}; the other sinks got every step and "
+            f"the run finished: exc.state is the trained state (at step {trained_state.step}; the state passed in is "
+            f"donated to it) and exc.history rank 0's history (in a notebook: import sys; state = sys.last_value.state)")
+        error.state, error.history = trained_state, history
+        raise error from exc
     return trained_state, history
 

@@ -29,6 +29,15 @@ def test_samples_show_at_each_evaluation_and_reach_the_metrics_file(tmp_path, ca
     assert rows[-1]["samples"][0]["response"][:8] in err
 
 
+def test_the_last_step_shows_its_samples_where_it_is_no_multiple_of_eval_every(tmp_path, capsys):
+    # --steps 3 --eval-every 2 evaluates at steps 2 and 3; the table showed at step 2 only
+    from rlkit.jobs import run_task
+
+    run_task("arithmetic", {**TINY, "steps": 3, "samples": 1, "eval_every": 2})
+    err = capsys.readouterr().err
+    assert "samples (step 2)" in err and "samples (step 3)" in err and "samples (step 1)" not in err
+
+
 def test_no_samples_by_default_and_a_negative_count_is_refused(tmp_path, capsys):
     from rlkit.jobs import check_options, run_task
 

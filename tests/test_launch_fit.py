@@ -121,6 +121,21 @@ NOTEBOOK = textwrap.dedent(
         ref = rk.launch(by_hand, 2, nproc_per_node=2, echo_logs=False)
         out["by_hand"] = {"params": ref["params"], "moments": ref["moments"], "history": plain(ref["history"])}
 
+        # a sink that raises: the other sinks get every step, the trained state comes back on the error
+        class Bad:
+            def on_step(self, step, metrics):
+                raise ValueError("sink broke")
+        keep2 = Keep()
+        try:
+            rk.launch(plan, fresh(), task.train, steps=2, batch_size=4, nproc_per_node=1, sinks=[Bad(), keep2],
+                      echo_logs=False)
+            out["sink_error"] = None
+        except RuntimeError as e:
+            out["sink_error"] = str(e)
+            out["sink_error_state"] = tensors(e.state)
+            out["sink_error_history"] = len(e.history)
+        out["sink_kept"] = [step for step, _ in keep2.rows]
+
         # a worker that fails: the caller's state is neither donated nor changed
         def broken(completions, **_):
             raise ValueError("the reward broke")
@@ -192,6 +207,15 @@ def test_a_launch_without_sinks_shows_a_progress_bar_not_a_line_of_metrics_per_s
     assert "rk.launch 2/2" in runs["stderr"], runs["stderr"][-3000:]
     assert "reward=" in runs["stderr"]
     assert "[rank 0]" not in runs["stdout"], runs["stdout"][-3000:]
+
+
+def test_a_sink_that_raises_stops_neither_the_other_sinks_nor_the_return_of_the_trained_state(runs):
+    # the sink listed after the broken one used to get no step, and the launch raised "on_metrics
+    # raised ..." (a name the caller never passed) without the trained state
+    assert runs["sink_kept"] == [1, 2]
+    assert runs["sink_error"].startswith("rk.launch: sink ") and "ValueError: sink broke at step 1" in runs["sink_error"]
+    assert runs["sink_error_state"]["params"] == runs["one"]["params"]  # the same two steps as the clean launch
+    assert runs["sink_error_state"]["counters"][0] == 2 and runs["sink_error_history"] == 2
 
 
 def test_two_process_launch_returns_the_state_the_hand_written_route_reaches(runs):

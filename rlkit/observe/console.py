@@ -42,7 +42,8 @@ class ConsoleSink:
     A metric that is a list of dicts (``samples``: a recipe's ``log_samples``) never shows in the
     bar (``<2 rows>`` if named in ``keys``); with ``samples_every=N`` it is printed as a table
     (:func:`samples_table`, texts clipped to ``sample_chars``) at every step that is a multiple
-    of N, as TRL prints its completions every logging step. None (the default): never."""
+    of N and at the last (``total``), as TRL prints its completions every logging step. None (the
+    default): never."""
 
     def __init__(self, total: int | None, description: str = "RL", keys: str | Sequence[str] = DEFAULT_KEYS, console: Console | None = None,
                  *, log_every_s: float | None = 30.0, samples_every: int | None = None, sample_chars: int = 120):
@@ -91,7 +92,7 @@ class ConsoleSink:
             now = time.monotonic()
             if self._recorded_at is None or reached or now - self._recorded_at >= self.log_every_s:
                 self._record(now)
-        if self.samples_every is not None and step % self.samples_every == 0:
+        if self.samples_every is not None and (step % self.samples_every == 0 or reached):  # the last step's too
             for key, value in metrics.items():
                 rows = table_rows(value)
                 if rows is not None:
