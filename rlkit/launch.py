@@ -422,11 +422,10 @@ def _alive(pid: int) -> bool:
 def print_metrics(rank: int, metrics: dict) -> None:
     """Default ``on_metrics``: one line per record; a table (the ``samples`` metric, a list of
     dicts) as its row count, ``<2 rows>``, not its texts."""
-    from rlkit.observe.sinks import table_rows
+    from rlkit.observe.sinks import format_value, table_rows
 
-    def shown(v):
-        rows = table_rows(v)
-        return f"<{len(rows)} row{'s' if len(rows) != 1 else ''}>" if rows is not None else f"{v:.4g}" if isinstance(v, float) else f"{v}"
+    def shown(v):  # a table as the sinks' one-line displays show it (format_value), numbers as before
+        return format_value(v) if table_rows(v) is not None else f"{v:.4g}" if isinstance(v, float) else f"{v}"
 
     parts = [f"{k}={shown(v)}" for k, v in metrics.items()]
     print(f"[rank {rank}] " + " ".join(parts), flush=True)
