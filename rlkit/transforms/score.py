@@ -380,8 +380,9 @@ def _check_prompt_messages(batch: Batch) -> None:
     if PROMPT_MESSAGES not in batch.keys():
         return
     messages = column(batch, PROMPT_MESSAGES)
-    bad = next((i for i, m in enumerate(messages) if m is not None and not (
-        isinstance(m, list) and m and all(isinstance(x, abc.Mapping) for x in m))), None)
+    from rlkit.data import _is_conversation  # the rule load_prompts reads conversations by
+
+    bad = next((i for i, m in enumerate(messages) if m is not None and not _is_conversation(m)), None)
     if bad is not None:
         raise BatchError(f"column {PROMPT_MESSAGES!r} row {bad} is {type(messages[bad]).__name__} {messages[bad]!r:.60}; each row "
                          "holds its prompt's chat conversation (a non-empty list of {'role': ..., 'content': ...} dicts) or None "
