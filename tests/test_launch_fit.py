@@ -5,7 +5,8 @@ DESIGN.md's promise: the four lines of a notebook cell become a Pipeline, a plan
 ``plan.fit`` does in the notebook (weights, AdamW moments, schedule, counters, metrics), and the
 notebook goes on training the returned state as if it had never left; a launch on two processes
 returns exactly the state that two workers reach by the hand-written route (a function that
-builds, lowers, shards and fits), which is one process's up to the order of float sums; the
+builds, lowers, shards and fits), which is one process's up to the order of float sums, as are a
+tensor-parallel launch and a split-placement one (training and generation on different ranks); the
 caller's sinks get every step; a failing worker leaves the
 caller's state untouched; wrong arguments are named before any process starts.
 """
@@ -118,6 +119,10 @@ NOTEBOOK = textwrap.dedent(
                             lower={"tp": 2})                     # one tensor-parallel generation replica over 2 ranks
         out["tp"] = tensors(tp)
         out["tp_history"] = plain(htp)
+        sp, hsp = rk.launch(plan, fresh(), task.train, steps=2, batch_size=4, nproc_per_node=2, echo_logs=False,
+                            lower={"placement": {"actor": 1, "rollout": 1}})   # training on rank 0, generation on rank 1
+        out["split"] = tensors(sp)
+        out["split_history"] = plain(hsp)
         ref = rk.launch(by_hand, 2, nproc_per_node=2, echo_logs=False)
         out["by_hand"] = {"params": ref["params"], "moments": ref["moments"], "history": plain(ref["history"])}
 
@@ -194,6 +199,23 @@ def test_lower_gives_the_workers_what_exists_only_on_several_processes(runs):
         assert [h[key] for h in runs["tp_history"]] == [h[key] for h in runs["local_history"]], key
     for name, ref in runs["local"]["params"].items():
         torch.testing.assert_close(torch.tensor(runs["tp"]["params"][name]), torch.tensor(ref), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_split_placement_launch_trains_what_one_process_trains(runs):
+    """``lower={"placement": {"actor": 1, "rollout": 1}}``: the actor trains on rank 0 and rank 1
+    generates with the weights sent to it after every update; the rows sampled, and so the rewards,
+    are one process's, and the weights differ only by the order of float sums."""
+    import torch
+
+    for key in ("reward/mean", "reward/std", "response/len_mean"):
+        assert [h[key] for h in runs["split_history"]] == [h[key] for h in runs["local_history"]], key
+    for name, ref in runs["local"]["params"].items():
+        torch.testing.assert_close(torch.tensor(runs["split"]["params"][name]), torch.tensor(ref), rtol=1e-4, atol=1e-5, msg=name)
+    assert runs["split"]["counters"] == [2, 2, 2]
+    # after the first update the weights crossed from the training rank to the generation rank (the
+    # first step's rollout used the weights placed at shard time); one process shares the storage
+    assert runs["split_history"][1]["sync/bytes"] > 0, runs["split_history"][1]
+    assert all(h.get("sync/bytes", 0) == 0 for h in runs["local_history"])
 
 
 def test_the_callers_sinks_get_every_step_as_the_workers_log_it(runs):

@@ -348,9 +348,11 @@ def _split_rollout(state: TrainState, prompts: Prompts, params: SamplingParams, 
         cache["synced_version"] = state.policy_version
     payload: list = [None]
     if dist.get_rank() in roles.rollout_ranks:
-        payload = [_sample_share(state, cache["engine"], prompts, params, key, cache["rollout_dp"], decode)]
+        # the sync figures travel with the batch: the first rollout rank's are what the generation
+        # side received (a training rank receives nothing, and rank 0's metrics read "0 bytes")
+        payload = [(*_sample_share(state, cache["engine"], prompts, params, key, cache["rollout_dp"], decode), sync)]
     dist.broadcast_object_list(payload, src=roles.rollout_ranks[0])
-    batch, seconds, engine_metrics = payload[0]
+    batch, seconds, engine_metrics, sync = payload[0]
     return _with_metrics(batch, seconds, {**sync, **engine_metrics})
 
 
