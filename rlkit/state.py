@@ -424,6 +424,9 @@ def init(
 #: share of a model's trainable weights that an AdamW step of size ``lr`` must be able to move
 #: in their own dtype; below it, :func:`init` warns that most of the update is rounded away
 LOW_PRECISION_MOVABLE = 0.5
+# AdamW's eps below which float16 moments (FSDP shards: no master copies) blow up: a gradient whose
+# square underflows in float16 (|g| < ~2e-4) leaves v = 0 and the step lr*m/eps
+FLOAT16_SAFE_EPS = 1e-4
 
 
 def movable_fraction(model: nn.Module, lr: float, sample: int = 1 << 20) -> float | None:
@@ -496,9 +499,23 @@ def _warn_low_precision(model: nn.Module, optimizer, spec: OptimizerSpec, role: 
 def warn_sharded_low_precision(model: nn.Module, spec: OptimizerSpec, role: str, where: str) -> None:
     """Warn when ``model``'s FSDP-sharded trainable weights are bf16/fp16 (no float32 master copies:
     :class:`rlkit.optim.MasterWeightAdamW` steps plain tensors only, and FSDP keeps float32 shards only
-    of a float32 model) and most are too large for a step of ``spec.lr`` to change them."""
+    of a float32 model) and either float16 with an ``eps`` its float16 moments blow up at
+    (:data:`FLOAT16_SAFE_EPS`), or most are too large for a step of ``spec.lr`` to change them."""
     if spec.master_weights is False:
         return  # chosen: rk.init warned about it already
+    if spec.eps < FLOAT16_SAFE_EPS and any(p.requires_grad and p.dtype == torch.float16 for p in model.parameters()):
+        # one process's float16 weights step in MasterWeightAdamW (float32 moments); over shards
+        # the moments are float16, which rk.init could not know when it warned
+        warnings.warn(
+            f"{where}: the {role}'s sharded trainable weights are float16, so its optimizer keeps AdamW's moments in "
+            "float16 (no float32 master copies over FSDP shards): the second moment (1-beta2)*g^2 underflows to 0 for "
+            f"gradients below about 2e-4, and the step then grows to lr*m/eps (eps={spec.eps:g}), hundreds of times lr. "
+            "Fix: give rk.init a float32 model and lower with mixed_precision=True (the default on GPUs): FSDP then keeps "
+            f"float32 shards and computes in low precision; or use bfloat16; or set eps >= {FLOAT16_SAFE_EPS:g} (a step "
+            "is then at most a few times lr)",
+            RuntimeWarning, stacklevel=3,
+        )
+        return
     share = movable_fraction(model, float(spec.lr))
     if share is None or share >= LOW_PRECISION_MOVABLE:
         return
