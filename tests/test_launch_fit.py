@@ -43,7 +43,7 @@ NOTEBOOK = textwrap.dedent(
                                num_key_value_heads=2, seed=0)    # 2 kv heads: tensor-parallel over 2 ranks too
         return rk.init(model, rk.optim.adamw(lr=1e-2, warmup_steps=2), tokenizer=task.tokenizer)
 
-    recipe = rk.recipes.get("grpo").with_(n=4, max_new_tokens=task.max_new_tokens)
+    recipe = rk.recipes.get("grpo").with_(n=4, max_new_tokens=task.max_new_tokens, log_samples=4)
     plan = rk.Pipeline(recipe, reward=ones).lower()
 
     def tensors(state):
@@ -255,6 +255,11 @@ def test_two_processes_train_what_one_process_trains(runs):
 
     for key in ("reward/mean", "reward/std", "response/len_mean"):
         assert [h[key] for h in runs["two_history"]] == [h[key] for h in runs["local_history"]], key
+    # the sample responses logged are the global batch's, one per prompt first, as one process logs them
+    for two, local in zip(runs["two_history"], runs["local_history"]):
+        assert [(r["prompt"], r["response"], r["reward"]) for r in two["samples"]] == \
+            [(r["prompt"], r["response"], r["reward"]) for r in local["samples"]]
+        assert len({r["prompt"] for r in local["samples"]}) == 4
     for name, ref in runs["local"]["params"].items():
         torch.testing.assert_close(torch.tensor(runs["two"]["params"][name]), torch.tensor(ref), rtol=1e-4, atol=1e-5, msg=name)
     assert runs["local"]["params"] != runs["local3"]["params"]  # the runs moved the weights: not a comparison of no-ops
