@@ -193,13 +193,64 @@ def _all_gather(obj: Any) -> list[Any]:
 _NOT_JOINED = ("timed out", "timeout", "closed by peer", "connection reset", "broken pipe")
 
 
+#: seconds a checkpoint collective waits for the other ranks before it warns that they are missing
+WAIT_WARN_S = 60.0
+_wait_calls: dict[str, int] = {}
+
+
+def _watch_arrivals(what: str) -> threading.Event | None:
+    """Mark this rank's arrival at its next ``what`` collective in the process group's store, and
+    start a thread that warns, after :data:`WAIT_WARN_S` seconds still inside the collective, which
+    ranks never arrived (``save`` called under ``if rank == 0``). The wait itself cannot be cut
+    short (a slow rank looks the same as an absent one until it arrives), but the user learns why
+    it waits within a minute, not at the process group's timeout (30 minutes by default). Returns
+    the event that ends the watch (set it on leaving the collective); None on one process or where
+    torch exposes no store."""
+    if _world() == 1:
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    call = _wait_calls[what] = _wait_calls.get(what, 0) + 1  # the same on every rank that makes the same calls
+    me, world = _rank(), _world()
+    key = f"rlkit/checkpoint/{what}/{call}"
+    try:
+        store.set(f"{key}/{me}", "1")
+    except RuntimeError:
+        return None
+    done = threading.Event()
+
+    def watch() -> None:
+        if done.wait(WAIT_WARN_S):
+            return
+        try:
+            missing = [r for r in range(world) if not store.check([f"{key}/{r}"])]
+        except RuntimeError:
+            return
+        if missing and not done.is_set():
+            ranks = ", ".join(map(str, missing))
+            warnings.warn(
+                f"{what} on rank {me} has waited {WAIT_WARN_S:g} s for rank{'s' if len(missing) > 1 else ''} {ranks}, which "
+                f"{'have' if len(missing) > 1 else 'has'} not reached it. If the call never comes, this rank waits until the "
+                f"process group's timeout: Checkpointer.save, resume and restore (and rk.fit with a checkpointer) are "
+                f"collectives over every process of the job; call them on every rank, not under `if rank == 0`",
+                RuntimeWarning, stacklevel=2,
+            )
+
+    threading.Thread(target=watch, name=f"rlkit-{what}-arrivals", daemon=True).start()
+    return done
+
+
 @contextlib.contextmanager
 def _waiting_for_ranks(what: str):
     """A collective that the other ranks never joined (``save`` or ``resume`` called under ``if
     rank == 0``) failed after the process group's timeout with gloo's bare "Timed out waiting
     1800000ms for recv operation" (or "Connection closed by peer" when the others had exited),
-    naming neither the call nor the fix: it is re-raised as a :class:`CheckpointError` that does.
-    The wait itself cannot be shortened (a slow rank looks the same as an absent one)."""
+    naming neither the call nor the fix: it is re-raised as a :class:`CheckpointError` that does,
+    and a rank still waiting after :data:`WAIT_WARN_S` seconds warns which ranks are missing
+    (:func:`_watch_arrivals`)."""
+    watching = _watch_arrivals(what)
     try:
         yield
     except RuntimeError as exc:
@@ -214,6 +265,9 @@ def _waiting_for_ranks(what: str):
             f"Checkpointer and call them on every rank, not under `if rank == 0` (every rank saves and loads its own "
             f"shards); a rank that skips the call leaves the others waiting for the process group's timeout"
         ) from exc
+    finally:
+        if watching is not None:
+            watching.set()
 
 
 # --------------------------------------------------------------------------- directory layout
@@ -1133,7 +1187,8 @@ class Checkpointer:
     they differ; ``rk.fit`` names a checkpointer given on some ranks only. A call made on one rank
     only can still only wait: for the process group's timeout, after which it raises a
     :class:`CheckpointError` saying so (or a ``RanksDisagreeError`` at once when the other ranks
-    are in another of rlkit's checks).
+    are in another of rlkit's checks); after :data:`WAIT_WARN_S` seconds (60) of waiting it warns
+    which ranks have not arrived.
     """
 
     def __init__(

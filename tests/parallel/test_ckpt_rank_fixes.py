@@ -7,7 +7,8 @@
 - building a Checkpointer ran a barrier: built on rank 0 only it hung until the collective timeout;
 - an ``every`` or a folder that differs per rank hung, or failed with ``FileNotFoundError ...
   .distcp`` leaving ``*.tmp-*`` folders: both are named before the first step;
-- save on rank 0 only fails after the process group's timeout with a CheckpointError saying why;
+- save on rank 0 only fails after the process group's timeout with a CheckpointError saying why,
+  and warns within seconds which rank it is waiting for;
 - a bf16 checkpoint's float32 master copies, loaded where the optimizer keeps none (FSDP), were
   dropped silently: now a RuntimeWarning says so.
 
@@ -58,7 +59,18 @@ def _job(base: str, bf16_dir: str) -> dict:
         restored = Checkpointer(shared, save_on_sigterm=False).restore(lowered())
         return [step, again.step, restored.step]
 
-    attempt("shared_ok", shared_ok)
+    ckpt_mod.WAIT_WARN_S = 5.0  # a save or resume waiting this long for a rank warns which ranks are missing
+
+    def waited(fn):
+        """``fn()``'s "has waited" warnings (from the watching thread), recorded in ``out``."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                return fn()
+            finally:
+                out.setdefault("waited", {})[fn.__name__] = [str(w.message) for w in caught if "has waited" in str(w.message)]
+
+    attempt("shared_ok", lambda: waited(shared_ok))
 
     def listing_differs():
         # the same path, but rank 1's file system shows no checkpoint (each node's local disk)
@@ -121,7 +133,7 @@ def _job(base: str, bf16_dir: str) -> dict:
         else:
             time.sleep(TIMEOUT + 15)
 
-    attempt("save_on_rank0_only", save_on_rank0_only)
+    attempt("save_on_rank0_only", lambda: waited(save_on_rank0_only))
     try:
         par.shutdown()
     except RuntimeError:  # the timed-out collective above closed the connection between the ranks
@@ -221,3 +233,15 @@ def test_save_on_rank_0_only_fails_after_the_timeout_saying_why(ranks):
     assert "on every rank" in message and "if rank == 0" in message
     assert ranks[0]["save_waited_s"] < TIMEOUT + 10
     assert ranks[1]["save_on_rank0_only"] is None
+
+
+def test_a_rank_waiting_at_a_save_says_within_seconds_which_ranks_are_missing(ranks):
+    """Before, nothing was said until the process group's timeout (30 minutes by default): after
+    WAIT_WARN_S (5 s here) the waiting rank warns, naming the rank that never arrived and the fix;
+    the ordinary saves and resumes, where every rank arrives, warn nothing."""
+    (message,) = ranks[0]["waited"]["save_on_rank0_only"]
+    assert message.startswith("Checkpointer.save on rank 0 has waited 5 s for rank 1, which has not reached it"), message
+    assert "call them on every rank, not under `if rank == 0`" in message
+    assert ranks[1]["waited"]["save_on_rank0_only"] == []
+    for r in ranks:
+        assert r["waited"]["shared_ok"] == [], r["waited"]
