@@ -223,8 +223,18 @@ def _fit_worker(pipeline, options: dict, state_file: str, prompts, steps: int, b
     from rlkit.models.compile import compile_layers
     from rlkit.parallel.mesh import default_device, init_distributed
 
-    init_distributed()
+    info = init_distributed()
     where = default_device() if on_accelerator else torch.device("cpu")
+    if not os.path.isfile(state_file):
+        import socket
+
+        # the caller wrote it before any worker started: a worker that cannot see it is on a machine
+        # where run_dir is another folder (each node's local disk), and would fail in torch.load
+        raise FileNotFoundError(
+            f"launch: rank {info.rank} (on {socket.gethostname()}) cannot see the state the caller wrote to {state_file}. "
+            "run_dir must be a folder every machine of the launch reaches at the same path (a shared or network file "
+            "system): the workers read the state from it and save the trained state into it"
+        )
     state = _rebuilt_optimizers(torch.load(state_file, map_location=where, weights_only=False, mmap=True))
     for role in compiled:  # compiled blocks come out of a pickle eager: compile them as the caller had them
         compile_layers(getattr(state, role))

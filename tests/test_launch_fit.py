@@ -375,3 +375,17 @@ def test_a_compiled_cuda_state_launches_on_its_gpu_and_computes_what_plan_fit_do
     assert out["device"].startswith("cuda") and out["compiled"]
     assert out["moved"] > 0 and any(g > 0 for g in out["grad_norms"])
     assert out["max_diff"] == 0.0, out
+
+
+def test_a_worker_that_cannot_see_the_run_dir_names_the_shared_folder_it_needs(parts, tmp_path):
+    """On several machines each worker reads the caller's state from run_dir: a worker on a machine
+    where run_dir is another folder (its local disk) failed in torch.load with a bare "No such file";
+    it now says which rank, on which machine, and that run_dir must be shared."""
+    from rlkit.launch_fit import _fit_worker
+
+    task, state, plan = parts
+    missing = tmp_path / "elsewhere" / "state.pt"
+    with pytest.raises(FileNotFoundError, match=r"launch: rank 0 \(on .+\) cannot see the state the caller wrote to .*state\.pt\. "
+                                                r"run_dir must be a folder every machine of the launch reaches at the same path"):
+        _fit_worker(plan.pipeline, {}, str(missing), task.train, 1, 2, {}, str(tmp_path / "result"), False, ())
+    assert not (tmp_path / "result").exists()
