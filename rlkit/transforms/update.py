@@ -560,7 +560,10 @@ def update(
 
     A policy loss (a callable of your own included) returns ``(loss, metrics)``: ``loss`` a 0-d
     tensor, ``metrics`` a dict of 0-d tensors or numbers (``{}`` for none); anything else is a
-    ``TypeError``/``ValueError`` naming the loss.
+    ``TypeError``/``ValueError`` naming the loss. Its metrics are reported as ``actor/<name>``:
+    each a token-weighted mean over the micro-batches (and data-parallel ranks) of a mini-batch,
+    averaged over mini-batches, except names ending in ``_max`` / ``_min``, which report the
+    largest / smallest value over all of them.
 
     Returns ``(new_state, metrics)`` with loss parts, clip fraction, approx KL, entropy, grad
     norm, learning rate and the train-vs-rollout log-prob gap (``actor/logprob_gap`` and
@@ -707,11 +710,24 @@ def update(
     sums: dict[str, torch.Tensor | float] = {}
     weights: dict[str, float] = {}
 
+    # a loss's metrics named *_max / *_min: the extreme over micro-batches, mini-batches and ranks
+    # (a token-weighted mean of per-micro-batch maxima is no maximum: 2.95 reported where it was 3.0)
+    extremes: dict[str, str] = {}
+
     def record(name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0):
         v = value.detach().double() if isinstance(value, torch.Tensor) else float(value)
         sums[name] = sums.get(name, 0.0) + v * weight
         if not isinstance(weight, torch.Tensor):
             weights[name] = weights.get(name, 0.0) + weight
+
+    def record_loss_metric(name: str, value: torch.Tensor | float, weight: torch.Tensor | float):
+        kind = _extreme_kind(name)
+        if kind is None:
+            record(name, value, weight)
+            return
+        v = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value, dtype=torch.float64, device=device)
+        extremes[name] = kind
+        sums[name] = v if name not in sums else (torch.maximum if kind == "max" else torch.minimum)(sums[name], v)
 
     # each trained role's step-or-skip after a mini-batch, its loss scale and what it counts (the
     # streaks go on from the previous update's); from the first optimizer step on, parameters and
@@ -802,7 +818,7 @@ def update(
                             total = pg_loss
                             record("actor/pg_loss", pg_loss, 1.0)
                             for k, v in pg_metrics.items():
-                                record(f"actor/{k}", v, frac)
+                                record_loss_metric(f"actor/{k}", v, frac)
                             ent = aggregate(entropy, mask, term_agg, **norm)
                             record("actor/entropy", ent, 1.0)
                             if entropy_coef:
@@ -840,7 +856,7 @@ def update(
                                     critic_mini_loss = critic_mini_loss + vf_loss.detach()
                                 record("critic/vf_loss", vf_loss, 1.0)
                                 for k, v in vf_metrics.items():
-                                    record(f"critic/{k}", v, frac)
+                                    record_loss_metric(f"critic/{k}", v, frac)
                     # under loss scaling: whether each scaled role's loss is finite on every rank (one
                     # collective), so that all ranks tell an overflow from a non-finite loss alike
                     loss_ok = _losses_finite([mini_loss if actor_step.scale is not None else None,
@@ -883,13 +899,13 @@ def update(
             gap_abs, gap_max, old_abs = read.get("gap_abs", gap_abs), read.get("gap_max", gap_max), read.get("old_abs", old_abs)
         # loss parts are already normalised per mini-batch (summed over its micro-batches) and ratio
         # metrics are token-weighted fractions of each mini-batch: both average over optimizer steps
-        metrics = {k: sums[k] / (weights[k] if k.endswith("grad_norm") else n_steps) for k in sums}
+        metrics = {k: sums[k] if k in extremes else sums[k] / (weights[k] if k.endswith("grad_norm") else n_steps) for k in sums}
         # the gap's denominator: the tokens it was summed over (it was the unshuffled first mini-batch's)
         n_tok = float(gap_tokens)
         n_old = float(old_tokens)
         if dp is not None and dp.size > 1:
             metrics, gap_abs, gap_max, n_tok, old_abs, n_old = _reduce_metrics(metrics, gap_abs, gap_max, n_tok, dp, device,
-                                                                            old_abs=old_abs, n_old=n_old)
+                                                                            old_abs=old_abs, n_old=n_old, extremes=extremes)
         if gap_abs is not None and n_tok > 0:  # none measured: every row was logprobs_filtered
             metrics["actor/logprob_gap"] = gap_abs / n_tok
             metrics["actor/logprob_gap_max"] = gap_max
@@ -957,10 +973,18 @@ def _recompute_filtered(state: TrainState, batch: Batch, temperature: float, mic
     return out
 
 
-def _reduce_metrics(metrics, gap_abs, gap_max, n_tok, dp, device, *, old_abs=None, n_old=0.0):
+def _extreme_kind(name: str) -> str | None:
+    """``"max"`` / ``"min"`` for a loss metric named ``*_max`` / ``*_min`` (reduced as such over
+    micro-batches, mini-batches and ranks), else None (a token-weighted mean)."""
+    return "max" if name.endswith("_max") else "min" if name.endswith("_min") else None
+
+
+def _reduce_metrics(metrics, gap_abs, gap_max, n_tok, dp, device, *, old_abs=None, n_old=0.0, extremes=None):
     """Sum the per-rank parts of the metrics (losses are normalised by global counts, so their
-    per-rank values add up to the global value); grad norms are already global. Returns
-    ``(metrics, gap_abs, gap_max, n_tok, old_abs, n_old)``, the gaps' sums and counts global."""
+    per-rank values add up to the global value); grad norms are already global; ``extremes``
+    (name -> "max"/"min") are reduced by their kind. Returns ``(metrics, gap_abs, gap_max, n_tok,
+    old_abs, n_old)``, the gaps' sums and counts global."""
+    extremes = extremes or {}
     keys = sorted(k for k in metrics if not k.endswith("grad_norm"))
     packed = torch.tensor([metrics[k] for k in keys] + [old_abs or 0.0, n_old, gap_abs or 0.0, n_tok, gap_max or 0.0],
                           dtype=torch.float64, device=device)
@@ -975,6 +999,9 @@ def _reduce_metrics(metrics, gap_abs, gap_max, n_tok, dp, device, *, old_abs=Non
     sums = everyone[:, :-1].sum(0).tolist()
     out = dict(metrics)
     out.update({k: float(v) for k, v in zip(keys, sums[: len(keys)])})
+    for i, k in enumerate(keys):
+        if k in extremes:
+            out[k] = float(everyone[:, i].max() if extremes[k] == "max" else everyone[:, i].min())
     if gap_abs is not None:
         gap_max = float(everyone[:, -1].max())
         gap_abs = float(sums[-2])

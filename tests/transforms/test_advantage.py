@@ -106,7 +106,8 @@ def median_baseline(token_rewards, response_mask, group, *, scale=1.0):
     """The tutorial's estimator (tutorials/custom_algorithm.md), verbatim."""
     scores = token_rewards.sum(-1)
     ids = torch.unique(group, return_inverse=True)[1]
-    medians = torch.stack([scores[ids == g].median() for g in range(int(ids.max()) + 1)])
+    # quantile(0.5) averages the two middle values of an even group; Tensor.median takes the lower
+    medians = torch.stack([scores[ids == g].quantile(0.5) for g in range(int(ids.max()) + 1)])
     adv = (scores - medians[ids]) * scale
     adv = adv[:, None] * response_mask
     return adv, adv
@@ -124,6 +125,19 @@ def test_custom_group_estimator_takes_groups_of_unequal_size():
     for i, n in enumerate(lengths):
         assert out["advantages"][i, :n].tolist() == pytest.approx([want[i]] * n)
         assert torch.all(out["advantages"][i, n:] == 0)
+
+
+def test_the_tutorials_median_of_an_even_group_is_the_mean_of_its_middle_values():
+    """Tensor.median gave [1, 0] the median 0, so half of a binary group got no advantage."""
+    import statistics
+
+    rewards = [1.0, 0.0, 1.0, 0.0, 3.0, 0.0, 2.0, 5.0]
+    group = [0, 0, 0, 0, 1, 1, 1, 1]
+    out = rk.advantage(_scored(rewards, group, [1] * 8), median_baseline)
+    members = {g: [r for r, h in zip(rewards, group) if h == g] for g in set(group)}
+    want = [r - statistics.median(members[g]) for r, g in zip(rewards, group)]
+    assert out["advantages"][:, 0].tolist() == pytest.approx(want)
+    assert out["advantages"][:4, 0].tolist() == pytest.approx([0.5, -0.5, 0.5, -0.5])
 
 
 BUILTIN_GROUP = [
