@@ -84,6 +84,7 @@ def fit(
     state, recipe, sinks = _check_fit_args(state, recipe, reward, steps, sinks, checkpointer)
     history: list[dict[str, float]] = []
     prompts = _checked_run(state, prompts, steps, batch_size, eval_every, eval_fn)
+    _check_reward_columns(recipe, reward, prompts)
     # every rank of a lowered state must run fit with the same settings (one all-gather per call;
     # a no-op on one process): a batch_size, steps or lr given to one rank only trained silently or hung
     from rlkit.parallel.agree import check_fit_agrees
@@ -339,11 +340,41 @@ def _check_fit_args(state, recipe, reward, steps, sinks, checkpointer):
     from rlkit.transforms.score import check_reward
 
     check_reward(reward, "fit", getattr(recipe, "reward_weights", None))
+    _check_tokenizer_for_reward(state, recipe, reward)
     int_at_least(steps, "steps", 0, " (the step count to reach)")
     sinks = _this_ranks_sinks(as_sinks(sinks, "fit"))
     if checkpointer is not None and not callable(getattr(checkpointer, "maybe_save", None)):
         raise TypeError(f"fit: checkpointer must be an rk.Checkpointer (with .maybe_save(state)), got {checkpointer!r}")
     return state, recipe, sinks
+
+
+def _check_tokenizer_for_reward(state, recipe, reward) -> None:
+    """A built-in recipe scores with ``state.tokenizer``: a reward that reads the responses as text
+    (TRL- or verl-style) cannot be called without one. That failed after the first rollout, with
+    score's "pass tokenizer=", an argument fit does not have."""
+    from rlkit.recipes.base import Recipe
+    from rlkit.transforms.score import _reward_functions, reward_style
+
+    if state.tokenizer is not None or not isinstance(recipe, Recipe):
+        return
+    text = [name for name, fn in _reward_functions(reward).items() if reward_style(fn) != "batch"]
+    if text:
+        raise ValueError(
+            f"fit: the reward {text[0]!r} reads the responses as text, and this state has no tokenizer to decode them "
+            "(state.tokenizer is None: rk.init was given none, and a model loaded with rk.models.load_model does not "
+            "carry one). Fix: rk.init(model, ..., tokenizer=rk.models.load_tokenizer(path)), or "
+            "state = state.replace(tokenizer=...)"
+        )
+
+
+def _check_reward_columns(recipe, reward, prompts) -> None:
+    """A built-in recipe's rewards get the prompt set's columns: a column a TRL-style reward
+    requires and the prompts lack is named before the first rollout, not after it."""
+    from rlkit.recipes.base import Recipe
+    from rlkit.transforms.score import check_reward_columns
+
+    if isinstance(recipe, Recipe) and isinstance(getattr(prompts, "columns", None), Mapping):
+        check_reward_columns(reward, list(prompts.columns), "fit")
 
 
 def _eval_metrics(eval_fn, state) -> dict:

@@ -71,3 +71,28 @@ def test_python_dash_m_rlkit_is_the_rlkit_command():
     out = subprocess.run([sys.executable, "-m", "rlkit", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "usage: rlkit" in out.stdout and "run" in out.stdout
+
+
+def test_fit_on_a_reloaded_model_without_a_tokenizer_names_rk_init_before_any_step(tmp_path, task):
+    """A model saved and loaded back (rk.models.load_model) carries no tokenizer: fit with a text
+    reward failed after the first rollout with score's "pass tokenizer=" (fit has no such argument).
+    It now says so before any work; a reward on the batch's ids alone still trains without one."""
+    tiny = rk.models.tiny(task.tokenizer, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                          num_key_value_heads=1, seed=0)
+    tiny.save_pretrained(tmp_path / "model")
+    state = rk.init(rk.models.load_model(str(tmp_path / "model")), rk.optim.adamw(lr=1e-3))
+    assert state.tokenizer is None
+    recipe = rk.recipes.get("grpo").with_(n=2, max_new_tokens=task.max_new_tokens)
+    with pytest.raises(ValueError, match=r"fit: the reward 'exact_match' reads the responses as text.*"
+                                         r"Fix: rk.init\(model, \.\.\., tokenizer=rk.models.load_tokenizer\(path\)\)"):
+        rk.fit(state, recipe, task.reward, task.train, steps=1, batch_size=2)
+    assert not state.is_donated and state.step == 0
+
+    def length(batch):  # batch-style: reads ids, needs no tokenizer
+        return batch["response_mask"].sum(-1).float().tolist()
+
+    state, history = rk.fit(state, recipe, length, task.train, steps=1, batch_size=2)
+    assert state.step == 1 and len(history) == 1
+    # and with the tokenizer given, the text reward trains
+    state, _ = rk.fit(state.replace(tokenizer=task.tokenizer), recipe, task.reward, task.train, steps=2, batch_size=2)
+    assert state.step == 2

@@ -389,6 +389,40 @@ def _check_prompt_messages(batch: Batch) -> None:
                          "for a text prompt: set it with set_column, or drop it (batch.exclude(...)) to score every row as text")
 
 
+def _check_trl_columns(fn: Callable, data: Sequence[str], where: str = "") -> None:
+    """A ``RewardError`` naming the data column a TRL-style reward requires (a parameter without a
+    default) that is not among ``data`` (the batch's, or the prompt set's, data columns): Python's
+    "exact_match() missing 1 required positional argument: 'answer'" came after the whole rollout,
+    named no fix, and was blamed on sample 0. ``where`` leads the message (``"fit: "``)."""
+    P = inspect.Parameter
+    if reward_style(fn) != "trl" or getattr(fn, "reads_row_shares", False):
+        return
+    try:
+        params = _parameters(fn)
+    except (TypeError, ValueError):
+        return
+    data = [c for c in data if c not in RESERVED_COLUMNS]
+    given = {"prompts", "completions", "completion_ids", *data, "trainer_state", "log_metric", "log_extra"}
+    required = [p for p in params.values() if p.default is P.empty and p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)]
+    if required and required[0].kind is P.POSITIONAL_OR_KEYWORD and not _by_keyword(fn, params, given):
+        required = required[1:]  # the completions, passed positionally
+    missing = [p.name for p in required if p.name not in given]
+    if missing:
+        has = ", ".join(repr(c) for c in data) if data else "none: prompts given as plain strings carry no columns"
+        raise RewardError(
+            f"{where}reward {_name(fn)!r} needs the column {missing[0]!r}, which the prompts do not have (their data "
+            f"columns: {has}). Give the prompts as rows that carry it, e.g. [{{'prompt': ..., {missing[0]!r}: ...}}], a "
+            f"JSONL file or a datasets.Dataset with a {missing[0]!r} column (rk.load_prompts), or give {missing[0]!r} a "
+            f"default in the reward"
+        )
+
+
+def check_reward_columns(reward: Any, data: Sequence[str], where: str) -> None:
+    """:func:`_check_trl_columns` for each function of ``reward``, before a rollout (``fit``)."""
+    for fn in _reward_functions(reward).values():
+        _check_trl_columns(fn, data, f"{where}: ")
+
+
 def _call_trl(fn, batch, prompts, completions, logged: dict[str, list[float]]) -> list[Any]:
     # TRL's conversational format on chat rows (texts stay the texts: errors name samples by those)
     prompts, completions = _conversational(batch, prompts, completions)
@@ -534,6 +568,8 @@ def _run_one(fn: Callable, batch: Batch, prompts: Sequence[str], completions: Se
         values = _run_verl(fn, batch, prompts, completions)
     else:
         call = _call_trl if style == "trl" else _call_verl_batch
+        if style == "trl":
+            _check_trl_columns(fn, columns(batch))
         try:
             values = call(fn, batch, prompts, completions, logged)
         except Exception as exc:  # noqa: BLE001
