@@ -400,3 +400,25 @@ def test_in_memory_sinks_rewind_numpy_and_tensor_steps_as_jsonl_does(tmp_path, m
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
     assert all(type(row["step"]) is int for row in sink.history)
     json.dumps(sink.history)  # plain ints: the history is JSON as it is
+
+
+def test_a_log_file_of_a_run_stopped_between_records_ends_with_a_record_not_the_bar():
+    """Written to a file (a batch job's log), a run stopped between records (SIGTERM, Ctrl-C) ended
+    its log with rich's bar, glyphs and all, wrapped over several lines: it ends with the last
+    step's one-line record, as the records before it read."""
+    out = io.StringIO()
+    sink = ConsoleSink(300, console=Console(file=out, width=80), log_every_s=3600)
+    for step in range(1, 154):
+        sink.on_step(step, {"reward/mean": step / 300, "actor/entropy": 2.0})
+    sink.close()  # the run stops at step 153 of 300
+    lines = [line for line in out.getvalue().splitlines() if line.strip()]
+    assert lines[0].startswith("RL 1/300 ") and "reward=0.00333" in lines[0], lines
+    assert lines[-1].startswith("RL 153/300 ") and "reward=0.51" in lines[-1], lines
+    assert len(lines) == 2 and "━" not in out.getvalue(), out.getvalue()
+    # a run that reached total was recorded there: close prints nothing more
+    out = io.StringIO()
+    sink = ConsoleSink(2, console=Console(file=out, width=80), log_every_s=3600)
+    sink.on_step(1, {"reward/mean": 0.1})
+    sink.on_step(2, {"reward/mean": 0.2})
+    sink.close()
+    assert [line.split()[1] for line in out.getvalue().splitlines() if line.strip()] == ["1/2", "2/2"], out.getvalue()

@@ -36,8 +36,8 @@ class ConsoleSink:
     wall time (0: every step; None: never), and at the step that reaches ``total``: one plain line
     ``RL (grpo) 120/1000 0:12:34 1:30:00 reward=0.41 acc=0.43`` (step/total, elapsed, remaining,
     the values), wrapped between values only where the console is narrower. :meth:`close` prints
-    the final bar only when no record shows the last step already. A terminal (and Jupyter) keeps
-    the live bar alone.
+    the last step's record when no record shows it already (a run stopped between records), never
+    the bar. A terminal (and Jupyter) keeps the live bar alone.
 
     A metric that is a list of dicts (``samples``: a recipe's ``log_samples``) never shows in the
     bar (``<2 rows>`` if named in ``keys``); with ``samples_every=N`` it is printed as a table
@@ -116,8 +116,12 @@ class ConsoleSink:
         self._recorded, self._recorded_at = self._step, now
 
     def close(self) -> None:
-        if self._records and self._step is not None and self._recorded == self._step:
-            # the last record shows the end: not printed again (Progress.stop would print it, and a blank line)
+        if self._records:
+            # a log file gets records only: the last step as one (unless a record shows it already),
+            # never the bar itself, which Progress.stop renders with its glyphs over several lines
+            # (a run stopped between records, by SIGTERM or Ctrl-C, ended its log with it)
+            if self._step is not None and self._recorded != self._step:
+                self._record(time.monotonic())
             self.progress.live.transient = True
             self.progress.live.stop()
             return
