@@ -352,3 +352,21 @@ def test_an_estimator_parameter_that_is_no_batch_field_is_named():
         rk.advantage(batch, my_estimator)
     out = rk.advantage(batch, my_estimator, mask=batch["response_mask"])  # given as an option, it is used
     assert torch.equal(out["advantages"], out["returns"])
+
+
+def test_vllm_engine_from_model_says_vllm_is_missing_before_writing_the_model(tmp_path, monkeypatch):
+    """It wrote the whole model with save_pretrained (a real model: minutes and gigabytes), then
+    failed at the import of vllm."""
+    from rlkit.engines import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "_vllm_installed", lambda: False)
+    task = rk.tasks.arithmetic(digits=1, n_train=4, n_test=2)
+    model = rk.models.tiny(task.tokenizer, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(ImportError, match=r"VLLMEngine needs vllm: `pip install 'rlkit\[vllm\]'`"):
+        vllm_engine.VLLMEngine.from_model(model, task.tokenizer, directory=tmp_path / "weights")
+    assert not (tmp_path / "weights").exists()
+    made = []
+    monkeypatch.setattr(vllm_engine.tempfile, "mkdtemp", lambda *a, **k: made.append(a) or str(tmp_path / "tmp"))
+    with pytest.raises(ImportError, match="VLLMEngine needs vllm"):
+        vllm_engine.VLLMEngine.from_model(model)  # nor makes its own temporary directory
+    assert made == [] and not (tmp_path / "tmp").exists()

