@@ -13,16 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PRELUDES = {
-    "custom_algorithm.md": """
-        import torch
-        import rlkit as rk
-
-        task = rk.tasks.arithmetic(digits=2)
-        state = rk.init(rk.models.tiny(task.tokenizer, seed=0), rk.optim.adamw(lr=3e-4), tokenizer=task.tokenizer, ref="copy")
-        reward = task.reward
-        prompts = next(iter(task.prompts(batch_size=4, steps=1)))
-        batch = rk.score(rk.rollout(state, prompts, n=4, max_new_tokens=task.max_new_tokens), reward)
-    """,
+    "custom_algorithm.md": "",  # its first block builds what the others use
     "performance.md": "",
 }
 
