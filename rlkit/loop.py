@@ -84,6 +84,7 @@ def fit(
     state, recipe, sinks = _check_fit_args(state, recipe, reward, steps, sinks, checkpointer)
     history: list[dict[str, float]] = []
     prompts = _checked_run(state, prompts, steps, batch_size, eval_every, eval_fn)
+    _check_tokenizer_for_reward(state, recipe, reward)
     _check_reward_columns(recipe, reward, prompts)
     # every rank of a lowered state must run fit with the same settings (one all-gather per call;
     # a no-op on one process): a batch_size, steps or lr given to one rank only trained silently or hung
@@ -340,7 +341,6 @@ def _check_fit_args(state, recipe, reward, steps, sinks, checkpointer):
     from rlkit.transforms.score import check_reward
 
     check_reward(reward, "fit", getattr(recipe, "reward_weights", None))
-    _check_tokenizer_for_reward(state, recipe, reward)
     int_at_least(steps, "steps", 0, " (the step count to reach)")
     sinks = _this_ranks_sinks(as_sinks(sinks, "fit"))
     if checkpointer is not None and not callable(getattr(checkpointer, "maybe_save", None)):
