@@ -88,7 +88,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-checkpoints", type=int, default=d["keep_checkpoints"], help="keep the newest N checkpoints (0: all)")
     p.add_argument("--nproc-per-node", type=int, default=None, help="run data-parallel over N local processes")
     p.add_argument("--json", action="store_true", help="print one JSON summary object as the last stdout line")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true",
+                   help="hide the progress bars (warm-up, RL steps, saving the model) and the --samples tables; the held-out "
+                        "accuracies and the summary table still print (to stderr), as do warnings and errors")
 
 
 def _options(options: dict[str, Any] | None) -> argparse.Namespace:
@@ -302,6 +304,74 @@ def _checkpoint_step(path) -> int | None:
         return None
 
 
+#: ``state.extras`` keys the job keeps in its checkpoints, so that a resumed run can tell what it continues
+ACCURACY_BEFORE_KEY = "job/accuracy_before_rl"
+EVAL_SIZE_KEY = "job/eval_size"  # the --eval-size that accuracy was measured on
+ALGOS_KEY = "job/algos"  # [[algo, first step it trained], ...]: which recipe trained which steps
+
+
+def _check_resumed_eval_size(opts: argparse.Namespace, state, resume_from) -> None:
+    """Refuse a resumed run whose ``--eval-size`` differs from the one its checkpoint's accuracy
+    after warm-up was measured on (``state.extras``): ``accuracy_gain`` subtracted an accuracy
+    over the first 20 held-out prompts from one over the first 4, without a word.
+
+    Refused rather than re-measured: the "before" accuracy is that of the model right after the
+    warm-up, which the checkpoint does not hold (it holds the model after RL step k). Evaluating
+    the checkpoint on the new prompts would report the gain of the remaining steps only, labelled
+    as the gain of RL. A checkpoint that does not record its --eval-size (saved before it was kept,
+    or by one's own code) is not checked."""
+    saved = state.extras.get(EVAL_SIZE_KEY)
+    if saved is None or saved == opts.eval_size:
+        return
+    raise ValueError(
+        f"option 'eval_size' (--eval-size) is {opts.eval_size}, but the run this resumes ({resume_from}) measured its "
+        f"held-out accuracy after warm-up on --eval-size {saved} prompts: the accuracy gain would compare different "
+        f"prompt sets, and the warm-up model is not in the checkpoint to measure again. Pass --eval-size {saved} to "
+        f"continue it, or start a fresh run (no --resume) to evaluate on {opts.eval_size} prompts")
+
+
+def _resumed_algos(opts: argparse.Namespace, state, resume_from) -> list[list[Any]]:
+    """The run's ``[[algo, first step], ...]`` once this run's steps are added, warning when
+    ``--algo`` differs from the recipe that trained the checkpoint's last steps.
+
+    The recipes that load each other's checkpoints (the critic-free ones: a critic or a
+    reference model that one has and the other lacks is refused by the load) train the same
+    weights with the same optimizer, so continuing with another one works, and is the user's
+    explicit choice: the new recipe trains the new steps (unlike --lr or --seed, where the
+    checkpoint's optimizer and seed govern). But it was silent, and the summary said "algo":
+    "dapo" for a run whose first steps were grpo; now it warns, as a changed --lr does, and the
+    summary's ``algos`` lists which recipe trained which steps. ``None``: steps of a checkpoint
+    that does not record its recipe (saved before it was kept, or by one's own code)."""
+    import warnings
+
+    algos = [list(segment) for segment in state.extras.get(ALGOS_KEY) or ([[None, 1]] if state.step else [])]
+    algos = [segment for segment in algos if segment[1] <= state.step]  # a recipe that trained no step is none of the run's
+    if state.step >= opts.steps:
+        return algos  # no step to train: nothing is trained with --algo
+    last = algos[-1][0] if algos else None
+    if last is not None and last != opts.algo:
+        warnings.warn(
+            f"checkpoint {resume_from} was trained with --algo {last} (steps {algos[-1][1]}-{state.step}) but this run "
+            f"continues it with --algo {opts.algo}: steps {state.step + 1}-{opts.steps} use the {opts.algo} recipe, on the "
+            f"{last}-trained model and optimizer state, and the summary's 'algos' lists both. To continue with {last}, "
+            f"pass --algo {last}; to train with {opts.algo} alone, start a fresh run (no --resume)",
+            RuntimeWarning, stacklevel=3)
+    if last != opts.algo:
+        algos.append([opts.algo, state.step + 1])
+    return algos
+
+
+def _algos_summary(algos: list[list[Any]], last_step: int) -> list[dict[str, Any]]:
+    """``[[algo, first step], ...]`` as the summary's ``[{"algo": ..., "steps": [first, last]}, ...]``
+    (the steps that were trained: a segment that trained none is left out)."""
+    out = []
+    for i, (algo, first) in enumerate(algos):
+        last = algos[i + 1][1] - 1 if i + 1 < len(algos) else last_step
+        if last >= first:
+            out.append({"algo": algo, "steps": [first, last]})
+    return out
+
+
 def json_ready(summary: dict[str, Any]) -> dict[str, Any]:
     """``summary`` with every non-finite number (NaN, inf) as None, so ``json.dumps(...,
     allow_nan=False)`` writes strict JSON: ``null``, as :class:`JSONLSink` does, not ``NaN``, which
@@ -370,7 +440,9 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
             from rlkit.parallel import barrier
 
             barrier()  # no rank touches OUT before rank 0 has moved the old run out of it
-    console = Console(stderr=True, quiet=opts.quiet or rank != 0)
+    # --quiet hides the progress bars (each is built only without it), not the result: it printed
+    # nothing at all, so without --json the run's accuracies never appeared
+    console = Console(stderr=True, quiet=rank != 0)
     device = torch.device(opts.device)
     torch.manual_seed(opts.seed)
     model = tiny(task.tokenizer, size=opts.size, seed=opts.seed).to(device)
@@ -408,11 +480,17 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
         from rlkit.checkpoint import load
 
         state = load(state, resume_from)
-        acc_before = state.extras.get("job/accuracy_before_rl", float("nan"))
+        _check_resumed_eval_size(opts, state, resume_from)
+        acc_before = state.extras.get(ACCURACY_BEFORE_KEY, float("nan"))
+        algos = _resumed_algos(opts, state, resume_from)
         console.print(f"resumed from {resume_from} at step {state.step} (data position {state.data_position})")
+        state = state.replace(extras={**state.extras, ALGOS_KEY: algos})
     else:
-        # kept in the checkpoints so a resumed job still reports the accuracy before RL
-        state = state.replace(extras={**state.extras, "job/accuracy_before_rl": acc_before})
+        # kept in the checkpoints so a resumed job still reports the accuracy before RL, and can
+        # tell whether it is measured on the same prompts and which recipe trained which steps
+        algos = [[opts.algo, 1]]
+        state = state.replace(extras={**state.extras, ACCURACY_BEFORE_KEY: acc_before, EVAL_SIZE_KEY: opts.eval_size,
+                                      ALGOS_KEY: algos})
     checkpointer = None
     if opts.out:
         # with --out a SIGTERM always saves (at the next step boundary) and exits with status 143, and
@@ -450,7 +528,8 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     wall = time.perf_counter() - t_start
     summary = {
         "task": task_name,
-        "algo": opts.algo,
+        "algo": opts.algo,  # the recipe of this run's steps; "algos" says which trained the earlier ones
+        "algos": _algos_summary(algos, state.step),
         "seed": state.seed,  # a resumed run goes on with its checkpoint's seed, whatever --seed says
         "steps": state.step,
         "accuracy_before_rl": acc_before,
@@ -468,12 +547,14 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
         summary["checkpoint_save_s"] = checkpointer.last_save_seconds
         summary["checkpoint_bytes"] = checkpointer.last_save_bytes
     known_before = math.isfinite(acc_before)
-    console.print(summary_table(
-        f"rlkit run {task_name} --algo {opts.algo} (seed {state.seed})",
-        [("held-out accuracy after warm-up", f"{acc_before:.3f}" if known_before else "unknown (not in the checkpoint)"),
-         ("held-out accuracy after RL", f"{acc_after:.3f}"),
-         ("gain (points)", f"{100 * (acc_after - acc_before):+.1f}" if known_before else "unknown"), ("RL steps", str(state.step)), ("wall time", f"{wall:.1f} s")],
-    ))
+    rows = [("held-out accuracy after warm-up", f"{acc_before:.3f}" if known_before else "unknown (not in the checkpoint)"),
+            ("held-out accuracy after RL", f"{acc_after:.3f}"),
+            ("gain (points)", f"{100 * (acc_after - acc_before):+.1f}" if known_before else "unknown"), ("RL steps", str(state.step)),
+            ("wall time", f"{wall:.1f} s")]
+    if len(summary["algos"]) > 1:
+        rows.insert(3, ("algorithms", ", ".join(f"{a['algo'] or 'unknown'} (steps {a['steps'][0]}-{a['steps'][1]})"
+                                                for a in summary["algos"])))
+    console.print(summary_table(f"rlkit run {task_name} --algo {opts.algo} (seed {state.seed})", rows))
     if opts.out:
         full = None
         if distributed:

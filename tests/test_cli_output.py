@@ -48,11 +48,14 @@ def test_sigterm_names_the_checkpoint_it_saved(tmp_path):
     assert f"saved {tmp_path / 'out' / 'checkpoints' / 'step_'}" in line and "--resume auto" in line
 
 
-def test_quiet_prints_nothing(tmp_path):
-    """transformers' "Writing model shards" bar showed when the run saved its model, under --quiet."""
+def test_quiet_prints_no_bar_but_the_result(tmp_path):
+    """transformers' "Writing model shards" bar showed when the run saved its model, under --quiet;
+    and --quiet hid the result too (the accuracies and the summary table): it hides the bars only."""
     cmd = [sys.executable, "-m", "rlkit.cli", "run", "arithmetic", "--sft-steps", "0", "--steps", "1", "--batch-size", "4",
            "--n", "4", "--eval-size", "4", "--quiet", "--out", str(tmp_path / "out")]
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "out" / "model").is_dir()
-    assert done.stdout == "" and done.stderr == ""
+    assert done.stdout == ""
+    assert "Writing model shards" not in done.stderr and "RL (grpo)" not in done.stderr
+    assert "held-out accuracy after RL" in done.stderr, done.stderr[-3000:]
