@@ -361,6 +361,34 @@ def _resumed_algos(opts: argparse.Namespace, state, resume_from) -> list[list[An
     return algos
 
 
+#: the RL options a resumed run may change, warned about as a changed --lr is: each shapes the steps
+#: it trains (samples per prompt, their temperature, the KL coefficient) and nothing in the
+#: checkpoint holds them; --kl on or off changes the state's roles and is refused by the load
+SAMPLING_KEY = "job/sampling"
+SAMPLING_OPTIONS = ("n", "temperature", "kl")
+
+
+def _warn_changed_sampling(opts: argparse.Namespace, state, resume_from) -> dict[str, Any]:
+    """Warn for each of :data:`SAMPLING_OPTIONS` that differs from the run the checkpoint holds
+    (``state.extras``): a resume with --n 16 after --n 4 trained its new steps on four times the
+    samples without a word. Returns this run's values, to keep in the checkpoints."""
+    import warnings
+
+    now = {name: getattr(opts, name) for name in SAMPLING_OPTIONS}
+    saved = state.extras.get(SAMPLING_KEY) or {}
+    if state.step >= opts.steps:
+        return {**now, **saved}  # no step to train: nothing is trained with the new values
+    changed = [name for name in SAMPLING_OPTIONS if name in saved and saved[name] != now[name]]
+    if changed:
+        flags = ", ".join(f"--{name} {saved[name]:g} -> {now[name]:g}" for name in changed)
+        warnings.warn(
+            f"checkpoint {resume_from} was trained with other RL options than this run continues it with ({flags}): "
+            f"steps {state.step + 1}-{opts.steps} use the new values. To continue the run as it was, pass "
+            + " ".join(f"--{name} {saved[name]:g}" for name in changed),
+            RuntimeWarning, stacklevel=3)
+    return now
+
+
 def _algos_summary(algos: list[list[Any]], last_step: int) -> list[dict[str, Any]]:
     """``[[algo, first step], ...]`` as the summary's ``[{"algo": ..., "steps": [first, last]}, ...]``
     (the steps that were trained: a segment that trained none is left out)."""
@@ -483,14 +511,15 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
         _check_resumed_eval_size(opts, state, resume_from)
         acc_before = state.extras.get(ACCURACY_BEFORE_KEY, float("nan"))
         algos = _resumed_algos(opts, state, resume_from)
+        sampling = _warn_changed_sampling(opts, state, resume_from)
         console.print(f"resumed from {resume_from} at step {state.step} (data position {state.data_position})")
-        state = state.replace(extras={**state.extras, ALGOS_KEY: algos})
+        state = state.replace(extras={**state.extras, ALGOS_KEY: algos, SAMPLING_KEY: sampling})
     else:
         # kept in the checkpoints so a resumed job still reports the accuracy before RL, and can
         # tell whether it is measured on the same prompts and which recipe trained which steps
         algos = [[opts.algo, 1]]
         state = state.replace(extras={**state.extras, ACCURACY_BEFORE_KEY: acc_before, EVAL_SIZE_KEY: opts.eval_size,
-                                      ALGOS_KEY: algos})
+                                      ALGOS_KEY: algos, SAMPLING_KEY: {name: getattr(opts, name) for name in SAMPLING_OPTIONS}})
     checkpointer = None
     if opts.out:
         # with --out a SIGTERM always saves (at the next step boundary) and exits with status 143, and

@@ -102,3 +102,19 @@ def test_a_resume_that_trains_no_step_adds_no_algo(tmp_path):
         warnings.filterwarnings("error", message=".*trained with --algo")
         summary = run_task("arithmetic", {**TINY, "algo": "rloo", "out": str(out), "resume": "auto"})
     assert summary["algos"] == [{"algo": "grpo", "steps": [1, 1]}]
+
+
+def test_resume_with_other_sampling_options_warns_naming_each_and_how_to_keep_them(tmp_path):
+    """--n, --temperature and a non-zero --kl changed on resume trained the new steps with them
+    silently (a changed --lr warns)."""
+    from rlkit.jobs import run_task
+
+    out = tmp_path / "out"
+    run_task("arithmetic", {**TINY, "out": str(out)})
+    with pytest.warns(RuntimeWarning, match=r"other RL options than this run continues it with \(--n 2 -> 4, --temperature "
+                                            r"1 -> 0.7\): steps 2-2 use the new values\. To continue the run as it was, pass "
+                                            r"--n 2 --temperature 1"):
+        run_task("arithmetic", {**TINY, "n": 4, "temperature": 0.7, "steps": 2, "out": str(out), "resume": "auto"})
+    with warnings.catch_warnings():  # the values it continued with are the checkpoint's now: no warning
+        warnings.filterwarnings("error", message=".*other RL options")
+        run_task("arithmetic", {**TINY, "n": 4, "temperature": 0.7, "steps": 3, "out": str(out), "resume": "auto"})
