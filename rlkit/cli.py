@@ -124,17 +124,26 @@ def main(argv: list[str] | None = None) -> int:
     from rlkit.checkpoint import CheckpointError, Preempted
     from rlkit.launch import Terminated, WorkerError
 
+    # a bad option or input (its message names the fix): status 2, in this process or in a worker
+    bad_input = (ValueError, CheckpointError)
     try:
         return args.fn(args)
     except WorkerError as e:
         # a worker of --nproc-per-node N failed: its exception's line, not the whole traceback of
-        # the launcher's wrapper around it
+        # the launcher's wrapper around it; that stays in the launch's run directory
+        where = (f"rank {e.rank}'s traceback is in {e.traceback_file}; RLKIT_TRACEBACK=1 prints it" if e.traceback_file
+                 else "RLKIT_TRACEBACK=1 shows the worker's traceback")
+        if e.exception_message is not None and _raised_one_of(e, bad_input):
+            # the same line and status one process gives for it (below): it exited 1 after a
+            # "worker rank 1 failed (ranks [0] failed too)" preamble, as if the run had crashed
+            print(f"rlkit run: error: {e.exception_message}\n({where})", file=sys.stderr)
+            return 2
         lines = [line for line in e.worker_traceback.strip().splitlines() if line.strip()]
         cause = lines[-1].strip() if lines else "no traceback"
         first = str(e).split("; its traceback:", 1)[0]
-        print(f"rlkit run: error: {first}: {cause}\n(RLKIT_TRACEBACK=1 shows the worker's traceback)", file=sys.stderr)
+        print(f"rlkit run: error: {first}: {cause}\n({where})", file=sys.stderr)
         return 1
-    except (ValueError, CheckpointError) as e:
+    except bad_input as e:
         # a bad option or input: its message names the fix, a traceback would bury it
         print(f"rlkit run: error: {e}\n(RLKIT_TRACEBACK=1 shows where it was raised)", file=sys.stderr)
         return 2
@@ -149,6 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated as e:  # SIGTERM to `rlkit run --nproc-per-node N`: the workers saved, each as one process does
         print(f"\nrlkit run: stopped by SIGTERM{_where_it_stopped(e, args.out)}", file=sys.stderr)
         return e.code
+
+
+def _raised_one_of(error, classes: tuple[type, ...]) -> bool:
+    """Whether the worker exception behind ``error`` (a :class:`rlkit.launch.WorkerError`) is an
+    instance of one of ``classes``, as ``except classes`` would have caught it in this process:
+    told by the qualified class names the worker recorded of its exception and its bases."""
+    names = {f"{c.__module__}.{c.__qualname__}" for c in classes}
+    return bool(names.intersection(error.exception_types))
 
 
 def _resume_hint(out: str | None) -> str:

@@ -23,7 +23,9 @@ policy loss registered in a notebook cell, a recipe added to ``rk.recipes.RECIPE
 ``<run_dir>/metrics/rank<R>.jsonl``; a thread in the caller tails those files and calls
 ``on_metrics(rank, metrics)`` as lines arrive (default: print them). Worker stdout/stderr are
 echoed to the caller too, prefixed with the local rank. A worker's exception comes back as a
-:class:`WorkerError` carrying the worker's traceback text. When ``fn`` returns with a process
+:class:`WorkerError` carrying the worker's traceback text (kept in ``<run_dir>/errors/rank<R>.txt``
+too), which torch elastic's own log of the failure no longer prints a second time on the caller's
+stderr (it still does with ``max_restarts > 0``, where a recovered failure raises nothing). When ``fn`` returns with a process
 group still initialised, the trampoline runs a barrier and destroys it.
 
 From the shell: ``rlkit launch --nproc-per-node N [--nnodes M --rdzv-endpoint HOST:PORT] script.py
@@ -32,8 +34,10 @@ single node without an endpoint, and ``--rdzv-backend c10d`` when an endpoint is
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
+import logging
 import math
 import numbers
 import os
@@ -69,16 +73,39 @@ class Terminated(SystemExit):
 
 
 class WorkerError(RuntimeError):
-    """A worker process failed. ``rank``: the first failing global rank; ``worker_traceback``: its traceback text."""
+    """A worker process failed. ``rank``: the first failing global rank; ``worker_traceback``: its traceback text.
 
-    def __init__(self, rank: int, worker_traceback: str, failures: dict[int, str] | None = None, summary: str | None = None):
+    ``exception_types``: the qualified names of the class of that rank's Python exception and of its
+    bases (``"rlkit.checkpoint.CheckpointMismatchError"``, ..., ``"builtins.ValueError"``), empty
+    when it failed without one (a signal, a bare exit); ``exception_message``: its ``str()``, the
+    text one process would have shown. They let a caller treat a worker's error as it treats the
+    same error raised in its own process (``rlkit run`` reports a ``ValueError`` as bad input, exit
+    status 2) without unpickling the exception, which fails for many exception classes.
+    ``run_dir``: the launch's directory; ``errors/rank<R>.txt`` there keeps each failed rank's
+    traceback (:attr:`traceback_file`).
+    """
+
+    def __init__(self, rank: int, worker_traceback: str, failures: dict[int, str] | None = None, summary: str | None = None,
+                 *, exception_types: tuple[str, ...] = (), exception_message: str | None = None, run_dir: str | None = None):
         self.rank = rank
         self.worker_traceback = worker_traceback
         self.failures = failures or {rank: worker_traceback}
+        self.exception_types = tuple(exception_types)
+        self.exception_message = exception_message
+        self.run_dir = run_dir
         others = sorted(r for r in self.failures if r != rank)
         also = f" (ranks {others} failed too)" if others else ""
         # ``summary`` replaces the first line when "failed" alone would not say what went wrong
         super().__init__(f"{summary or f'worker rank {rank} failed{also}'}; its traceback:\n{worker_traceback}")
+
+    @property
+    def traceback_file(self) -> str | None:
+        """The file that keeps :attr:`rank`'s traceback (``<run_dir>/errors/rank<R>.txt``), or None
+        when the rank left none (it died without a Python exception)."""
+        if self.run_dir is None:
+            return None
+        path = os.path.join(self.run_dir, "errors", f"rank{self.rank}.txt")
+        return path if os.path.isfile(path) else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +208,10 @@ def _worker(payload: bytes, run_dir: str) -> tuple[int, bytes]:
             fn, args, kwargs, registrations = cloudpickle.loads(payload)
             _restore_registrations(registrations)
             result = fn(*args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
+            # the record first: a rank whose traceback file exists (what _worker_error picks the root
+            # cause from) then always has it, even if torch elastic stops this process between the two
+            _write_atomic(os.path.join(run_dir, "errors", f"rank{rank}.json"), _exception_record(exc))
             _write_atomic(os.path.join(run_dir, "errors", f"rank{rank}.txt"), traceback.format_exc())
             raise
         _teardown_process_group()
@@ -189,6 +219,17 @@ def _worker(payload: bytes, run_dir: str) -> tuple[int, bytes]:
     finally:
         os._exit = real_exit
         _write_atomic(marker + ".done", "")
+
+
+def _exception_record(exc: BaseException) -> str:
+    """JSON of what the caller needs to classify a worker's exception without unpickling it: the
+    qualified names of its class and bases (WorkerError.exception_types) and its message."""
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not hide the worker's own error
+        message = f"{type(exc).__name__} (its message could not be formatted)"
+    types = [f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__]
+    return json.dumps({"types": types, "message": message})
 
 
 def _noting_exit(real_exit: Callable[[int], None], marker: str) -> Callable[[int], None]:
@@ -482,6 +523,64 @@ def _read_errors(run_dir: str) -> dict[int, tuple[float, str]]:
     return out
 
 
+def _described(error: WorkerError, run_dir: str) -> WorkerError:
+    """``error`` with the launch's ``run_dir`` (where the tracebacks are kept) and what its rank's
+    worker recorded of its exception (``errors/rank<R>.json``, :func:`_exception_record`): the
+    classes a caller tells bad input from a crash by."""
+    error.run_dir = run_dir
+    try:
+        with open(os.path.join(run_dir, "errors", f"rank{error.rank}.json"), encoding="utf-8") as f:
+            record = json.load(f)
+        error.exception_types = tuple(str(name) for name in record["types"])
+        error.exception_message = str(record["message"])
+    except (OSError, ValueError, KeyError, TypeError):  # none recorded: a signal, a bare exit
+        pass
+    return error
+
+
+#: torch elastic's report of a failed worker: ``logger.exception("failed (exitcode: ...) ...")`` on
+#: this logger, the worker's whole traceback as some 30 "E... api.py:836]" lines on the caller's stderr
+_ELASTIC_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+#: torch's spawn context, which logs "Terminating process N via signal SIGTERM" as it stops the
+#: workers that survived the failure
+_SPAWN_LOGGER = "torch.multiprocessing.spawn"
+
+
+class _DropFailureReport(logging.Filter):
+    """Drops torch's own report of a failed worker (only those two records; any other warning or
+    error of those loggers passes, e.g. a process that would not exit after SIGKILL)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        if record.name == _ELASTIC_LOGGER:
+            return not (record.levelno == logging.ERROR and message.startswith("failed (exitcode"))
+        if record.name == _SPAWN_LOGGER:
+            return not (record.levelno == logging.WARNING and message.startswith("Terminating process"))
+        return True
+
+
+@contextlib.contextmanager
+def _quiet_failure_report(enabled: bool = True):
+    """While a launch runs: torch elastic's log of a failed worker is dropped, because the launch
+    raises a :class:`WorkerError` carrying the same traceback (and keeps it in
+    ``run_dir/errors/rank<R>.txt``); printed as well, it buried the one-line error ``rlkit run``
+    makes of it under 30 lines of elastic's internals. Not with ``max_restarts > 0``
+    (``enabled=False``): a failure that a restart then recovers from raises nothing, and that log
+    is its only trace in the caller. The filter is removed afterwards."""
+    if not enabled:
+        yield
+        return
+    drop = _DropFailureReport()
+    loggers = [logging.getLogger(name) for name in (_ELASTIC_LOGGER, _SPAWN_LOGGER)]
+    for logger in loggers:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(drop)
+
+
 def _launched_plan(fn: Any):
     """A :class:`rlkit.Pipeline` or a ``Plan`` given as ``fn`` (``rk.launch(plan, state, prompts, ...)``,
     :mod:`rlkit.launch_fit`), else None. Both are looked up only when rlkit.pipeline is loaded
@@ -599,15 +698,16 @@ def launch(
     handlers = {sig: signal.getsignal(sig) for sig in _SIGNALS if threading.current_thread() is threading.main_thread()}
     tail.start()
     try:
-        results = elastic_launch(config, _worker)(payload, run_dir)
+        with _quiet_failure_report(enabled=max_restarts == 0):
+            results = elastic_launch(config, _worker)(payload, run_dir)
     except ChildFailedError as e:
-        raise _worker_error(run_dir, e) from None
+        raise _described(_worker_error(run_dir, e), run_dir) from None
     except SignalException as e:
         # the workers live in their own session: none may outlive the launch (a second Ctrl-C
         # interrupts torch elastic while it waits for them to stop)
         _kill_leftover_workers(run_dir)
         if tail.vanished:  # the watchdog's own SIGTERM: a worker ended without leaving fn
-            raise _vanished_error(run_dir, tail.vanished) from None
+            raise _described(_vanished_error(run_dir, tail.vanished), run_dir) from None
         # the workers are stopped by now (a Checkpointer in them saved on SIGTERM); the caller gets
         # what one process would raise: KeyboardInterrupt for SIGINT, Terminated (exit 143) for SIGTERM
         if e.sigval == signal.SIGINT:
@@ -626,7 +726,7 @@ def launch(
     # None) counts as a success for torch elastic, with None as its value instead of our tuple
     missing = sorted(rank for rank, value in results.items() if value is None)
     if missing:
-        raise _no_result_error(run_dir, missing)
+        raise _described(_no_result_error(run_dir, missing), run_dir)
     if 0 not in results:
         return None
     return cloudpickle.loads(results[0][1])
