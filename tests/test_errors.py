@@ -202,6 +202,8 @@ def test_recipes_check_names_and_dapo_attempts_when_built():
         rk.recipes.get("dapo", max_attempts=0)  # fit then failed with UnboundLocalError
     with pytest.raises(ValueError, match="GRPO: temperature must be > 0 for RL sampling"):
         rk.recipes.get("grpo").with_(temperature=0)  # failed at the first update, after a rollout
+    with pytest.raises(ValueError, match=r"GRPO: temperature must be > 0 for RL sampling, got -1\.0 \(greedy is for evaluation"):
+        rk.recipes.get("grpo").with_(temperature=-1.0)  # said "must be >= 0 (0 = greedy)", and 0 was then refused
     with pytest.raises(ValueError, match=r"loss_kw sets \['agg', 'num_tokens'\], which update passes"):
         rk.recipes.get("grpo", loss_kw={"num_tokens": 3, "agg": "token-mean"})  # "got multiple values" at the first update
 

@@ -100,14 +100,16 @@ class Recipe:
         from rlkit.transforms.update import _resolve_kl
 
         name = type(self).__name__
+        if isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool) and self.temperature <= 0:
+            # greedy: the n samples of a prompt would be one response (no group signal), and the
+            # update's log-probs need a temperature > 0; it failed only at the first update. Before
+            # SamplingParams' check, whose "(0 = greedy)" then read as an invitation to pass 0
+            raise ValueError(f"{name}: temperature must be > 0 for RL sampling, got {self.temperature!r} (greedy is for "
+                             "evaluation: rk.evaluate)")
         try:
             SamplingParams(n=self.n, max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
-        if self.temperature == 0:
-            # greedy: the n samples of a prompt would be one response (no group signal), and the
-            # update's log-probs need a temperature > 0; it failed only at the first update
-            raise ValueError(f"{name}: temperature must be > 0 for RL sampling, got 0 (greedy is for evaluation: rk.evaluate)")
         if self.kl is not None:
             mode, coef = _resolve_kl(self.kl)
             object.__setattr__(self, "kl", (mode, coef))  # kl=1e-3 means ("low_var_kl", 1e-3), as in update
