@@ -150,7 +150,8 @@ def test_recipes_check_their_fields_when_built():
     """Bad sampling or update values used to pass ``rk.recipes.get`` and fail at the first rollout
     or update (a float ``kl`` at the first step, in ``needs_ref``)."""
     for kw, match in (({"n": -1}, "GRPO: SamplingParams.n must be a positive int"),
-                      ({"temperature": -1.0}, "GRPO: SamplingParams.temperature must be a finite number >= 0"),
+                      ({"temperature": -1.0}, "GRPO: temperature must be > 0 for RL sampling, got -1.0"),
+                      ({"temperature": float("nan")}, "GRPO: SamplingParams.temperature must be a finite number >= 0"),
                       ({"kl": ("low_var_kl", -1.0)}, "kl's coefficient must be a finite number >= 0"),
                       ({"micro_batch_size": 0}, "GRPO.micro_batch_size must be a positive int or None, got 0"),
                       ({"epochs": 0}, "GRPO.epochs must be a positive int, got 0")):
