@@ -47,7 +47,7 @@ def test_run_on_two_processes_writes_a_loadable_model(tmp_path, child_env):
 
 @pytest.mark.parametrize("args, message", [
     (["--n", "1"], "option 'n' is 1, but --algo grpo compares the samples of each prompt.*--n 2"),
-    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--temperature", "-1"], "temperature must be > 0 for RL sampling, got -1.0"),
     (["--kl", "-0.1"], "option 'kl' must be >= 0"),
     (["--nproc-per-node", "0"], "option 'nproc_per_node' must be >= 1"),
     (["--device", "gpu"], "device='gpu' is not a device"),
