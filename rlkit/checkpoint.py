@@ -203,9 +203,9 @@ def _watch_arrivals(what: str) -> threading.Event | None:
     start a thread that warns, after :data:`WAIT_WARN_S` seconds still inside the collective, which
     ranks never arrived (``save`` called under ``if rank == 0``). The wait itself cannot be cut
     short (a slow rank looks the same as an absent one until it arrives), but the user learns why
-    it waits within a minute, not at the process group's timeout (30 minutes by default). Returns
-    the event that ends the watch (set it on leaving the collective); None on one process or where
-    torch exposes no store."""
+    it waits within a minute, not at the process group's timeout (torch's default: 10 minutes for
+    NCCL, 30 for gloo). Returns the event that ends the watch (set it on leaving the collective);
+    None on one process or where torch exposes no store."""
     if _world() == 1:
         return None
     try:
