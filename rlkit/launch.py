@@ -200,6 +200,13 @@ def _worker(payload: bytes, run_dir: str) -> tuple[int, bytes]:
     for stale in (".done", ".exit"):  # the markers of this rank's worker of an attempt before a restart
         if os.path.exists(marker + stale):
             os.remove(marker + stale)
+    # and its error files: the second attempt's rank killed by SIGKILL was reported with the first
+    # attempt's traceback. Each rank clears only its own, before fn runs; torch elastic starts an
+    # attempt's workers only once every worker of the one before has stopped, so none writes after
+    for stale in (".txt", ".json"):
+        path = os.path.join(run_dir, "errors", f"rank{rank}{stale}")
+        if os.path.exists(path):
+            os.remove(path)
     _write_atomic(marker + ".pid", f"{socket.gethostname()} {os.getpid()}")
     real_exit = os._exit
     os._exit = _noting_exit(real_exit, marker)

@@ -442,3 +442,36 @@ def test_a_rank_that_reports_a_peers_reward_failure_is_not_named_as_its_cause(tm
     (errors / "rank0.txt").write_text("RuntimeError: reward 'bad' failed on rank 7: boom\n")
     os.utime(errors / "rank0.txt", (1000, 1000))
     assert _worker_error(str(tmp_path), SimpleNamespace(failures={})).rank == 0
+
+
+STALE = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    from rlkit.launch import WorkerError, launch
+
+    def raises_then_is_killed():
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if os.environ["RANK"] == "1":
+            if attempt == 0:
+                raise ValueError("the first attempt's error")
+            os.kill(os.getpid(), signal.SIGKILL)  # the second attempt dies without a Python traceback
+        time.sleep(20)  # rank 0 is stopped by torch elastic when rank 1 fails
+
+    if __name__ == "__main__":
+        try:
+            launch(raises_then_is_killed, nproc_per_node=2, max_restarts=1, run_dir=sys.argv[1], echo_logs=False)
+            print("RESULT null", flush=True)
+        except WorkerError as e:
+            print("RESULT " + json.dumps({"rank": e.rank, "message": str(e), "types": list(e.exception_types)}), flush=True)
+    """
+)
+
+
+def test_after_a_restart_the_error_is_the_last_attempts_not_a_stale_traceback(tmp_path, child_env):
+    """Each rank's traceback file outlived a restart: the second attempt's rank 1, killed by
+    SIGKILL, was reported with the first attempt's ValueError (and bad input by rlkit run's exit
+    status). A rank's worker now clears its own files of an earlier attempt when it starts."""
+    out = _script_result(STALE, tmp_path, child_env)
+    assert out["rank"] == 1, out
+    assert "the first attempt's error" not in out["message"], out["message"]
+    assert "killed by signal SIGKILL" in out["message"] and out["types"] == [], out
