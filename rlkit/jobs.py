@@ -368,13 +368,18 @@ SAMPLING_KEY = "job/sampling"
 SAMPLING_OPTIONS = ("n", "temperature", "kl")
 
 
+def _sampling(opts: argparse.Namespace) -> dict[str, Any]:
+    """This run's :data:`SAMPLING_OPTIONS`, as the checkpoints keep them."""
+    return {name: getattr(opts, name) for name in SAMPLING_OPTIONS}
+
+
 def _warn_changed_sampling(opts: argparse.Namespace, state, resume_from) -> dict[str, Any]:
     """Warn for each of :data:`SAMPLING_OPTIONS` that differs from the run the checkpoint holds
     (``state.extras``): a resume with --n 16 after --n 4 trained its new steps on four times the
     samples without a word. Returns this run's values, to keep in the checkpoints."""
     import warnings
 
-    now = {name: getattr(opts, name) for name in SAMPLING_OPTIONS}
+    now = _sampling(opts)
     saved = state.extras.get(SAMPLING_KEY) or {}
     if state.step >= opts.steps:
         return {**now, **saved}  # no step to train: nothing is trained with the new values
@@ -519,7 +524,7 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
         # tell whether it is measured on the same prompts and which recipe trained which steps
         algos = [[opts.algo, 1]]
         state = state.replace(extras={**state.extras, ACCURACY_BEFORE_KEY: acc_before, EVAL_SIZE_KEY: opts.eval_size,
-                                      ALGOS_KEY: algos, SAMPLING_KEY: {name: getattr(opts, name) for name in SAMPLING_OPTIONS}})
+                                      ALGOS_KEY: algos, SAMPLING_KEY: _sampling(opts)})
     checkpointer = None
     if opts.out:
         # with --out a SIGTERM always saves (at the next step boundary) and exits with status 143, and

@@ -84,8 +84,7 @@ def fit(
     state, recipe, sinks = _check_fit_args(state, recipe, reward, steps, sinks, checkpointer)
     history: list[dict[str, float]] = []
     prompts = _checked_run(state, prompts, steps, batch_size, eval_every, eval_fn)
-    _check_tokenizer_for_reward(state, recipe, reward)
-    _check_reward_columns(recipe, reward, prompts)
+    _check_reward_inputs(state, recipe, reward, prompts)
     # every rank of a lowered state must run fit with the same settings (one all-gather per call;
     # a no-op on one process): a batch_size, steps or lr given to one rank only trained silently or hung
     from rlkit.parallel.agree import check_fit_agrees
@@ -348,32 +347,26 @@ def _check_fit_args(state, recipe, reward, steps, sinks, checkpointer):
     return state, recipe, sinks
 
 
-def _check_tokenizer_for_reward(state, recipe, reward) -> None:
-    """A built-in recipe scores with ``state.tokenizer``: a reward that reads the responses as text
-    (TRL- or verl-style) cannot be called without one. That failed after the first rollout, with
-    score's "pass tokenizer=", an argument fit does not have."""
+def _check_reward_inputs(state, recipe, reward, prompts) -> None:
+    """What a built-in recipe gives its reward, checked before the first rollout (both failed after
+    it): the responses as text need ``state.tokenizer`` (the error said "pass tokenizer=", an
+    argument fit does not have), and a TRL-style reward's required columns must be among the
+    prompt set's."""
     from rlkit.recipes.base import Recipe
-    from rlkit.transforms.score import _reward_functions, reward_style
+    from rlkit.transforms.score import _reward_functions, check_reward_columns, reward_style
 
-    if state.tokenizer is not None or not isinstance(recipe, Recipe):
+    if not isinstance(recipe, Recipe):
         return
-    text = [name for name, fn in _reward_functions(reward).items() if reward_style(fn) != "batch"]
-    if text:
-        raise ValueError(
-            f"fit: the reward {text[0]!r} reads the responses as text, and this state has no tokenizer to decode them "
-            "(state.tokenizer is None: rk.init was given none, and a model loaded with rk.models.load_model does not "
-            "carry one). Fix: rk.init(model, ..., tokenizer=rk.models.load_tokenizer(path)), or "
-            "state = state.replace(tokenizer=...)"
-        )
-
-
-def _check_reward_columns(recipe, reward, prompts) -> None:
-    """A built-in recipe's rewards get the prompt set's columns: a column a TRL-style reward
-    requires and the prompts lack is named before the first rollout, not after it."""
-    from rlkit.recipes.base import Recipe
-    from rlkit.transforms.score import check_reward_columns
-
-    if isinstance(recipe, Recipe) and isinstance(getattr(prompts, "columns", None), Mapping):
+    if state.tokenizer is None:
+        text = [name for name, fn in _reward_functions(reward).items() if reward_style(fn) != "batch"]
+        if text:
+            raise ValueError(
+                f"fit: the reward {text[0]!r} reads the responses as text, and this state has no tokenizer to decode them "
+                "(state.tokenizer is None: rk.init was given none, and a model loaded with rk.models.load_model does not "
+                "carry one). Fix: rk.init(model, ..., tokenizer=rk.models.load_tokenizer(path)), or "
+                "state = state.replace(tokenizer=...)"
+            )
+    if isinstance(getattr(prompts, "columns", None), Mapping):
         check_reward_columns(reward, list(prompts.columns), "fit")
 
 

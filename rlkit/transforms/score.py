@@ -291,6 +291,11 @@ class TrainerState:
         return f"TrainerState(global_step={self.global_step})"
 
 
+#: what :func:`_call_trl` passes a TRL-style reward by keyword besides the data columns (and the
+#: completions): the names :func:`_check_trl_columns` counts as given
+TRL_KEYWORDS = ("prompts", "completion_ids", "trainer_state", "log_metric", "log_extra")
+
+
 def _trl_extras(batch: Batch, logged: dict[str, list[float]]) -> dict[str, Any]:
     """Stand-ins for the keywords TRL passes every reward besides the data
     (``GRPOTrainer._calculate_rewards``): ``trainer_state``, ``log_metric`` and ``log_extra`` (the
@@ -402,7 +407,7 @@ def _check_trl_columns(fn: Callable, data: Sequence[str], where: str = "") -> No
     except (TypeError, ValueError):
         return
     data = [c for c in data if c not in RESERVED_COLUMNS]
-    given = {"prompts", "completions", "completion_ids", *data, "trainer_state", "log_metric", "log_extra"}
+    given = {"completions", *TRL_KEYWORDS, *data}
     required = [p for p in params.values() if p.default is P.empty and p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)]
     if required and required[0].kind is P.POSITIONAL_OR_KEYWORD and not _by_keyword(fn, params, given):
         required = required[1:]  # the completions, passed positionally

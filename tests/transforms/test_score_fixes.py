@@ -114,6 +114,10 @@ def test_rewards_get_the_data_columns_not_the_batchs_own():
     rk.score(b, record, tokenizer=TOK)
     # TRL's own keywords besides the data columns; never the batch's rollout_metrics
     assert sorted(seen) == ["answer", "completion_ids", "log_extra", "log_metric", "prompts", "trainer_state"]
+    # the names the missing-column check counts as given are the ones passed
+    from rlkit.transforms.score import TRL_KEYWORDS
+
+    assert sorted(TRL_KEYWORDS) == sorted(set(seen) - {"answer"})
 
 
 def test_hash_format_scores_only_completions_that_end_with_the_answer_line():
