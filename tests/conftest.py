@@ -3,8 +3,12 @@ import os
 import pytest
 import torch
 
-# two cores on CI: keep intra-op threads at the machine's size, and tests deterministic
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# two cores on CI: keep intra-op threads at the machine's size, and tests deterministic; under
+# pytest-xdist every worker is one of several processes sharing the cores, so one thread each
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture
@@ -59,3 +63,10 @@ def _child_env(nproc: int = 1) -> dict[str, str]:
 def child_env():
     """``child_env(nproc)``: the environment for child processes (see ``_child_env``)."""
     return _child_env
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): one worker per core, at most 4. Most of the suite's time is
+    spent in tests that start processes of their own (two gloo ranks each), and waiting on them:
+    more workers than that only queue for the same cores."""
+    return max(1, min(4, os.cpu_count() or 1))
