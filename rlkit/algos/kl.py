@@ -25,6 +25,7 @@ which raises ``NotImplementedError``. We implement the documented intent:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import torch
@@ -136,6 +137,7 @@ def apply_kl_to_rewards(
                 f"{name} has shape {tuple(value.shape)} but token_rewards has shape {tuple(token_rewards.shape)}; "
                 "all must be (b t)"
             )
+    _check_coef(kl_coef, "kl_coef")
     mask = response_mask.bool()
     kld = torch.where(mask, kl_penalty(logprobs, ref_logprobs, mode), 0.0)
     shaped = token_rewards - kl_coef * kld
@@ -148,11 +150,26 @@ def _as_float(x: float | torch.Tensor) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
+def _check_coef(value: object, name: str) -> None:
+    """A KL coefficient is a finite number >= 0: a negative one rewards moving away from the
+    reference, and NaN turned every reward NaN, which surfaced steps later as a broken reward
+    function (``rlkit.update`` refuses the same values for its ``kl=``)."""
+    try:
+        number = _as_float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {number}; 0 turns the KL penalty off")
+
+
 @dataclasses.dataclass(frozen=True)
 class FixedKLController:
     """A constant KL coefficient. ``update`` returns an equal controller."""
 
     kl_coef: float
+
+    def __post_init__(self) -> None:
+        _check_coef(self.kl_coef, "kl_coef")
 
     @property
     def value(self) -> float:
@@ -181,9 +198,15 @@ class AdaptiveKLController:
             raise ValueError(f"horizon must be > 0, got {self.horizon}")
         if not self.target_kl > 0:
             raise ValueError(f"target_kl must be > 0, got {self.target_kl}")
+        _check_coef(self.init_kl_coef, "init_kl_coef")
         if self.value is None:
             object.__setattr__(self, "value", float(self.init_kl_coef))
 
     def update(self, current_kl: float | torch.Tensor, n_steps: int) -> "AdaptiveKLController":
-        error = min(max(_as_float(current_kl) / self.target_kl - 1, -0.2), 0.2)
+        kl = _as_float(current_kl)
+        if not math.isfinite(kl):
+            # min/max let NaN through: the coefficient became NaN for this and every later update
+            raise ValueError(f"current_kl must be finite, got {kl}: the KL between the policy and the reference "
+                             "overflowed or was NaN; check the batch's logprobs and ref_logprobs")
+        error = min(max(kl / self.target_kl - 1, -0.2), 0.2)
         return dataclasses.replace(self, value=self.value * (1 + error * n_steps / self.horizon))

@@ -391,7 +391,9 @@ def gmpo(
         A_i  = sum_t mask A_t / (n_i + 1e-8)                                (sequence advantage)
         L    = sum_i -A_i r_i / num_seqs
 
-    The loss is per sequence, so ``agg`` is ignored (as verl). ``num_seqs`` defaults to the
+    The loss is per sequence, so ``agg`` is ignored for the policy term (as verl; through
+    :func:`rlkit.update` it still reduces the KL and entropy terms), but a name must be a
+    registered aggregation: a misspelt one was accepted silently. ``num_seqs`` defaults to the
     number of rows with at least one valid token, the count :func:`rlkit.update` passes and every
     ``seq-mean-*`` aggregation uses (an empty row adds 0 to the sum). verl's ``torch.mean`` over
     rows also counts empty rows; the two differ only for a batch with such rows (hand-made: the
@@ -402,6 +404,8 @@ def gmpo(
     """
     _check_policy_inputs(logprobs, old_logprobs, advantages, response_mask)
     _check_normaliser("num_seqs", num_seqs)
+    if isinstance(agg, str):
+        AGGREGATIONS.get(agg)  # an unknown name raises, naming the registered ones
     low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high, "gmpo")
     log_ratio = logprobs - old_logprobs
     sign = torch.sign(advantages)
@@ -458,7 +462,9 @@ def clip_cov(
         L = max(L1, L2) * (0 on dropped tokens, 1 elsewhere)
 
     Pass a seeded ``generator`` for reproducible selection; the selection uses the statistics
-    of this (micro-)batch, as verl. Metrics: ``clipfrac`` = fraction of dropped tokens,
+    of this (micro-)batch, as verl, and drops at least one token per call: micro-batches (and
+    data-parallel ranks) each choose their own tokens, so the split changes the gradient
+    (:func:`rlkit.update` warns when micro-batching splits a mini-batch). Metrics: ``clipfrac`` = fraction of dropped tokens,
     ``approx_kl``.
     """
     _check_policy_inputs(logprobs, old_logprobs, advantages, response_mask)
@@ -521,7 +527,9 @@ def kl_cov(
 
     There is no ratio clipping. ``ppo_kl_coef = 0.1`` is verl's config default (its code falls
     back to 1.0 only when the config field is missing). The top-k uses this (micro-)batch's
-    statistics, as verl.
+    statistics, as verl, and penalises at least one token per call: micro-batches (and
+    data-parallel ranks) each choose their own tokens, so the split changes the gradient
+    (:func:`rlkit.update` warns when micro-batching splits a mini-batch).
 
     Metrics: ``clipfrac`` = fraction of valid tokens that got the KL term, ``approx_kl``
     (``mean[-d]``), ``abs_kl = mean|d|`` (what verl reports as ``ppo_kl`` for this loss).
@@ -551,6 +559,13 @@ def kl_cov(
         "abs_kl": masked_mean(log_ratio.abs(), response_mask).detach(),
     }
     return loss, metrics
+
+
+#: losses that choose tokens from the statistics of the rows they are given (at least one per
+#: call): rlkit.update warns when micro-batching splits a mini-batch for one of them. A loss of
+#: your own that does the same can set ``fn.selects_tokens_per_call = True`` to get the warning.
+clip_cov.selects_tokens_per_call = True
+kl_cov.selects_tokens_per_call = True
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ The loss of a mini-batch is::
 The batch is split into ``mini_batch_size`` rows per optimizer step (default: the whole batch,
 one step) and each mini-batch into ``micro_batch_size`` rows per forward/backward (gradient
 accumulation; the last micro-batch may be shorter). Every aggregation uses the *mini-batch's* token and sequence counts as
-normalisers, so micro-batching never changes the gradient (tested). Under data parallelism the
+normalisers, so micro-batching never changes the gradient (tested), with one exception: Clip-Cov
+and KL-Cov choose the tokens they drop or penalise from the statistics of each micro-batch, as
+verl does, so for them the split matters (update warns). Under data parallelism the
 counts are summed over the data-parallel group, so N processes compute the same update as one.
 FSDP2 reduce-scatters the gradients after every micro-batch's backward, or only after the last
 of each mini-batch when the plan was lowered with ``grad_reduce="step"``
@@ -263,6 +265,23 @@ def _warn_local_normaliser(fn: Callable, accepted: set | None, *, parts: int, ra
         f"mini-batch's mean, and the gradient changes with the split. Add num_tokens=None, num_seqs=None parameters "
         f"to {name} and pass them on (rk.algos.aggregate(loss_mat, response_mask, agg, num_tokens=num_tokens, "
         f"num_seqs=num_seqs)), or train without micro-batches (micro_batch_size=None) on one process",
+        RuntimeWarning, stacklevel=3)
+
+
+def _warn_per_call_selection(fn: Callable, *, parts: int, micro: int) -> None:
+    """Warn when micro-batching splits a mini-batch for a loss that selects tokens from the rows of
+    one call (``fn.selects_tokens_per_call``: Clip-Cov, KL-Cov): each micro-batch chooses its own
+    top-covariance tokens, at least one each, so the split changes which tokens are dropped or
+    penalised, and the gradient (with micro_batch_size=1 a quarter of the tokens instead of 3%).
+    Data-parallel ranks split it too, as in verl; that is not warned of, having no remedy."""
+    if parts <= 1 or not getattr(fn, "selects_tokens_per_call", False):
+        return
+    name = _loss_name(fn)
+    warnings.warn(
+        f"rlkit.update: the policy loss {name!r} chooses the tokens it acts on from the statistics of the rows of each "
+        f"call, at least one per call; micro_batch_size={micro} splits each mini-batch into {parts} micro-batches, "
+        f"which choose separately, so the gradient changes with micro_batch_size. Leave micro_batch_size=None (or as "
+        f"large as the mini-batch) for the mini-batch's own selection",
         RuntimeWarning, stacklevel=3)
 
 
@@ -704,6 +723,7 @@ def update(
     micro = min(micro, local_mini)
     _warn_local_normaliser(loss_fn, loss_accepts, parts=-(-local_mini // micro), ranks=dp.size if shard is not None else 1,
                            micro=micro, mini=mini)
+    _warn_per_call_selection(loss_fn, parts=-(-local_mini // micro), micro=micro)
 
     # metrics stay on the device (float64) until one transfer at the end: a float() per metric
     # per micro-batch would make the host wait for the GPU before every backward
