@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from rlkit._checks import int_at_least
+from rlkit._checks import int_at_least, is_int
 from rlkit.batch import RESERVED_COLUMNS, reserved_names
 
 
@@ -58,7 +58,20 @@ def _id_rows(ids: Any, where: str) -> Any:
     ``return_tensors=`` gives, and what :func:`rlkit.make_batch` takes). Such rows failed in
     ``rollout`` with "Boolean value of Tensor ... is ambiguous", and a one-token ``tensor([0])`` was
     reported as empty. A 2-d integer tensor or array is its rows. Rows of another kind (lists)
-    are left as they are."""
+    are left as they are. A tokenizer's whole output (``tokenizer(texts, padding=True,
+    return_tensors="pt")``, a mapping with ``input_ids`` and ``attention_mask``) gives each row's
+    tokens where its mask is 1: its padded ``input_ids`` alone would make the padding part of
+    every shorter prompt."""
+    if isinstance(ids, Mapping) and "input_ids" in ids:
+        mask = ids.get("attention_mask")
+        rows = _id_rows(ids["input_ids"], where)
+        if mask is None:
+            return rows
+        mask = mask.tolist() if _is_array(mask) else list(mask)
+        if len(mask) != len(rows) or any(len(m) != len(r) for m, r in zip(mask, rows)):
+            raise DataError(f"{where}: ids' attention_mask does not have the shape of its input_ids; give the tokenizer's output "
+                            "unchanged, or a list of unpadded rows of token ids")
+        return [[t for t, keep in zip(row, m) if keep] for row, m in zip(rows, mask)]
     if _is_array(ids):
         kind = ids.dtype.kind if not isinstance(ids, torch.Tensor) else None
         integral = kind in ("i", "u") if kind is not None else not (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool)
@@ -81,6 +94,27 @@ def _id_rows(ids: Any, where: str) -> Any:
                             "must be a list of ints, or a 1-d integer tensor or numpy array (e.g. tokenizer(text)['input_ids'])")
         rows[i] = [int(t) for t in row.tolist()]
     return rows
+
+
+def check_padding(ids: Sequence[Sequence[int]], tokenizer, where: str) -> None:
+    """Refuse prompt rows that end (or begin) with the tokenizer's pad token: the padding of a
+    padded id tensor (``tokenizer(texts, padding=True, return_tensors="pt")["input_ids"]``) given as
+    prompts. The engine generated after the padding, silently other responses than for the same
+    text (and a pad that is also a stop id can end the response at once). A leading pad that is
+    also the tokenizer's BOS is a real BOS and passes."""
+    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    if not is_int(pad):
+        return
+    bos = getattr(tokenizer, "bos_token_id", None)
+    padded = [i for i, row in enumerate(ids) if len(row) and (row[-1] == pad or (row[0] == pad and pad != bos))]
+    if not padded:
+        return
+    shown = ", ".join(map(str, padded[:10])) + (f", ... ({len(padded)} in all)" if len(padded) > 10 else "")
+    raise DataError(
+        f"{where}: prompt row {padded[0]} begins or ends with the pad token (id {pad}), so its ids hold padding the model "
+        f"would take for prompt (rows: {shown}). Give the tokenizer's whole output, rk.Prompts(texts, tokenizer(texts, "
+        "padding=True, return_tensors='pt')), whose attention_mask drops the padding, or unpadded rows "
+        "(tokenizer(texts)['input_ids']), or the texts alone")
 
 
 def _check_messages(messages: Any, n: int, where: str) -> list[Any] | None:
@@ -149,12 +183,24 @@ class Prompts:
                        None if self.messages is None else self.messages[index])
 
 
+def chat_template_options(messages: Sequence[Mapping[str, Any]]) -> dict[str, bool]:
+    """How a conversation is rendered as a prompt, as TRL renders one: a new assistant turn opened
+    after it (``add_generation_prompt=True``), or, when it ends with an assistant message (a
+    prefill: ``{"role": "assistant", "content": "Let"}``), that message continued
+    (``continue_final_message=True``). The prefill was closed and a new assistant turn opened, so a
+    dataset ported from TRL trained on other prompts than in TRL."""
+    last = messages[-1] if messages else None
+    if isinstance(last, Mapping) and last.get("role") == "assistant":
+        return {"add_generation_prompt": False, "continue_final_message": True}
+    return {"add_generation_prompt": True}
+
+
 def _encode(tokenizer, text: str | list, chat: bool) -> list[int]:
     if chat or isinstance(text, list):
         if getattr(tokenizer, "chat_template", None) is None:
             raise DataError("prompt is a list of chat messages but the tokenizer has no chat_template; give plain text prompts or a tokenizer with a chat template")
         messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = tokenizer.apply_chat_template(messages, tokenize=True, **chat_template_options(messages))
         if isinstance(out, Mapping) or hasattr(out, "input_ids"):
             # transformers 5 returns a BatchEncoding (input_ids, attention_mask) where 4.x returned the ids
             out = out["input_ids"]
@@ -258,7 +304,8 @@ def _mapping_rows(source: Mapping, prompt_key: str) -> list[Mapping[str, Any]]:
         return [source]
     # columns: {"prompt": [...], "answer": [...]}
     if prompt_key not in source:
-        raise DataError(f"prompt columns {sorted(map(str, source))} have no {prompt_key!r} column; pass prompt_key= to name it")
+        raise DataError(f"prompt columns {sorted(map(str, source))} have no {prompt_key!r} column; name the prompt column with "
+                       f"rk.load_prompts(data, tokenizer, prompt_key=...) and pass its result on")
     lengths = {str(k): len(v) if isinstance(v, (list, tuple)) else None for k, v in source.items()}
     if any(n is None for n in lengths.values()) or len(set(lengths.values())) != 1:
         raise DataError(f"a dict of prompt columns needs one list per column, all of one length; got lengths {lengths}")
@@ -466,7 +513,8 @@ def load_prompts(
         if prompt_key not in row:
             hint = (" (it looks like one chat message: a conversation, a list of messages, is one prompt; "
                     "pass a list of conversations or {'prompt': messages})") if {"role", "content"} <= set(row) else ""
-            raise DataError(f"{where} has no {prompt_key!r} field (it has {sorted(row)}); pass prompt_key= to name the prompt column{hint}")
+            raise DataError(f"{where} has no {prompt_key!r} field (it has {sorted(row)}); name the prompt column with "
+                            f"rk.load_prompts(data, tokenizer, prompt_key=...) and pass its result on{hint}")
         value = row[prompt_key]
         if not isinstance(value, (str, list)):
             raise DataError(f"{where}: field {prompt_key!r} must be text (or a list of chat messages), got {type(value).__name__} {value!r:.60}")
@@ -485,8 +533,9 @@ def load_prompts(
         tok = _encode(tokenizer, value, chat)
         if getattr(tokenizer, "unk_token_id", None) in tok:
             # encoded as the unknown token: the model cannot tell those characters apart (rlkit.sft checks the same)
+            conversation = value if isinstance(value, list) else [{"role": "user", "content": value}]
             shown = value if isinstance(value, str) else tokenizer.apply_chat_template(
-                value if isinstance(value, list) else [{"role": "user", "content": value}], add_generation_prompt=True, tokenize=False)
+                conversation, tokenize=False, **chat_template_options(conversation))
             try:
                 check_known_characters(tokenizer, shown, tok, where)
             except ValueError as exc:

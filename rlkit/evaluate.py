@@ -1,7 +1,7 @@
 """Held-out evaluation: greedy (or sampled) generation on a prompt set, scored by a reward."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -15,7 +15,7 @@ def evaluate(
     model: torch.nn.Module,
     tokenizer,
     prompts: PromptSet | Prompts,
-    reward: Callable,
+    reward: Callable | Sequence[Callable] | Mapping[str, Callable],
     *,
     max_new_tokens: int = 16,
     batch_size: int = 256,
@@ -24,6 +24,12 @@ def evaluate(
     engine=None,
 ) -> dict[str, float]:
     """Mean reward (= accuracy for 0/1 rewards) of ``model`` on ``prompts``; greedy by default.
+
+    ``reward``: a function, or several as :func:`rlkit.score` takes them (a list, a ``{name:
+    function}`` dict). With several, ``"accuracy"`` is the mean of their sum (unit weights), and
+    each function's own mean is reported as ``"reward/<name>"`` (over the samples it scored: one
+    returning None for a sample leaves it out), so ``[accuracy, format_ok]`` reads
+    ``reward/accuracy`` for the accuracy.
 
     ``model``: a model, or a TrainState (its actor; a state lowered with ``Pipeline.lower`` onto
     colocated ranks generates with its rollout engine, so call it on every rank). ``prompts``: a PromptSet, a Prompts batch, or
@@ -85,6 +91,7 @@ def evaluate(
                             stop_token_ids=default_stop_token_ids(tokenizer, model))
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     total, count, lengths = 0.0, 0, 0.0
+    parts: dict[str, list[float]] = {}  # per reward function (several): [sum, samples it scored]
     was_training = model.training
     model.eval()
     try:
@@ -96,7 +103,18 @@ def evaluate(
             scored = score(batch, reward)
             total += float(scored["rewards"].sum())
             count += len(index)
+            for key in scored.keys():
+                if isinstance(key, str) and key.startswith("reward/"):
+                    values = scored[key]
+                    present = ~torch.isnan(values)  # NaN: the function returned None ("does not apply")
+                    part = parts.setdefault(key, [0.0, 0])
+                    part[0] += float(values[present].sum())
+                    part[1] += int(present.sum())
             lengths += float(batch["response_mask"].sum())
     finally:
         model.train(was_training)
-    return {"accuracy": total / max(count, 1), "mean_response_len": lengths / max(count, 1), "n": float(count)}
+    result = {"accuracy": total / max(count, 1), "mean_response_len": lengths / max(count, 1), "n": float(count)}
+    if len(parts) > 1:
+        # several rewards: "accuracy" alone was their sum (0.75 for accuracy 0.25 and format 0.5)
+        result.update({key: part[0] / part[1] if part[1] else float("nan") for key, part in parts.items()})
+    return result

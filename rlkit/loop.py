@@ -94,6 +94,11 @@ def fit(
                      eval_every=eval_every, checkpointer=checkpointer)
     if state.step < steps:
         _check_prompt_lengths(state, recipe, prompts)
+        ids = getattr(prompts, "ids", None)
+        if ids:
+            from rlkit.data import check_padding
+
+            check_padding(ids, state.tokenizer, "fit")  # the whole set, before the first step
     position = _data_position(state, prompts, batch_size)
     fingerprint = _check_same_prompts(state, prompts, position)
     if state.step > 0:

@@ -162,7 +162,8 @@ def tiny(
     """A randomly initialised causal LM (seeded, deterministic, on CPU) of a preset shape.
 
     ``vocab``: a tokenizer (vocab size and pad/bos/eos ids are taken from it) or an int vocab size
-    (``size="qwen2.5-0.5b"`` defaults to Qwen2.5's 151936). ``size``: one of :data:`PRESETS`.
+    (the benchmark's Qwen2.5 shape takes ``vocab=151936``; the preset's own 151936 is what
+    ``overrides`` replace, and ``vocab`` always sets it). ``size``: one of :data:`PRESETS`.
     ``arch``: ``"qwen2"`` (q/k/v biases), ``"llama"`` or ``"qwen3"`` (q/k RMS norms).
     ``overrides``: any config field (``hidden_size=64``, ``rope_theta=1e6``,
     ``tie_word_embeddings=False``, ...). Word embeddings are tied by default. The global RNG is

@@ -17,7 +17,7 @@ import torch
 
 from rlkit._checks import context_limit, is_int, output_vocab
 from rlkit.batch import PROMPT_MESSAGES, Batch, check_same_fields, row_tokens, set_column, shallow_copy
-from rlkit.data import Prompts, as_prompts
+from rlkit.data import Prompts, as_prompts, check_padding
 from rlkit.engines.base import Engine, SamplingParams
 from rlkit.state import TrainState, fold_in, generator
 from rlkit.transforms.forward import TEMPERATURE  # the per-row float field of the temperature the logprobs are at
@@ -150,6 +150,7 @@ def rollout(
     for i, ids in enumerate(prompts.ids):
         if not ids:
             raise ValueError(f"prompt {i} tokenized to zero tokens ({prompts.text[i]!r}); give non-empty prompts")
+    check_padding(prompts.ids, tokenizer, "rollout")
     if stop_token_ids is None:
         stop_token_ids = default_stop_token_ids(tokenizer, state.actor)
     elif isinstance(stop_token_ids, torch.Tensor):

@@ -230,8 +230,12 @@ def test_prompts_take_tensor_and_numpy_token_id_rows(char_tok, tiny_model):
     got = rk.rollout(state, prompts, max_new_tokens=2, seed=0)
     want = rk.rollout(state, rk.Prompts(["a", "b"], rows), max_new_tokens=2, seed=0)
     assert torch.equal(got["prompt_ids"], want["prompt_ids"]) and torch.equal(got["response_ids"], want["response_ids"])
-    one = rk.rollout(state, rk.Prompts(["<pad>"], [torch.tensor([0])]), max_new_tokens=2)  # one token, id 0: not empty
-    assert one["prompt_ids"].tolist() == [[0]]
+    one = rk.rollout(state, rk.Prompts(["0"], [torch.tensor([3])]), max_new_tokens=2)  # one token: not empty
+    assert one["prompt_ids"].tolist() == [[3]]
+    # id 0, a falsy tensor, is not empty either: it is this tokenizer's pad, refused as padding (not as "zero tokens")
+    assert rk.Prompts(["<pad>"], [torch.tensor([0])]).ids == [[0]]
+    with pytest.raises(DataError, match="begins or ends with the pad token"):
+        rk.rollout(state, rk.Prompts(["<pad>"], [torch.tensor([0])]), max_new_tokens=2)
     with pytest.raises(DataError, match=r"row 1 is a 1-d torch.float32 Tensor.*1-d integer tensor"):
         rk.Prompts(["a", "b"], [torch.tensor([5]), torch.tensor([1.0, 2.0])])
     with pytest.raises(DataError, match=r"row 0 .*2-d"):
