@@ -10,7 +10,7 @@ from rich.console import Console
 
 from rlkit.observe.console import ConsoleSink
 
-METRICS = {"reward/mean": 0.406, "eval/accuracy": 0.43, "actor/entropy": 0.381, "actor/approx_kl": -2.38e-08,
+METRICS = {"reward/mean": 0.406, "eval/accuracy": 0.43, "actor/entropy": 0.381, "actor/kl": 0.0137, "actor/approx_kl": -2.38e-08,
            "actor/logprob_gap": 3.47e-07}
 
 
@@ -26,8 +26,10 @@ def test_console_bar_keeps_its_count_and_times_and_wraps_values_whole(width):
     lines = text.splitlines()
     assert "30/30" in lines[0] and re.search(r"\d:\d\d:\d\d \d:\d\d:\d\d", lines[0]), text
     tokens = text.split()
-    for expected in ("reward=0.406", "acc=0.43", "ent=0.381", "kl=-2.38e-08", "gap=3.47e-07"):
+    for expected in ("reward=0.406", "acc=0.43", "ent=0.381", "kl=0.0137", "gap=3.47e-07"):
         assert expected in tokens, (expected, text)
+    # "kl" is the KL to the reference; PPO's approx_kl (new policy against old) is not shown as it
+    assert not any("e-08" in t for t in tokens), text
     assert all(len(line) <= width for line in lines)
     if width >= 140:
         assert len(lines) == 1

@@ -13,8 +13,11 @@ from rich.text import Text
 from rlkit._checks import int_at_least
 from rlkit.observe.sinks import as_keys, as_number, clip_text, format_value, table_columns, table_rows
 
-DEFAULT_KEYS = ("reward/mean", "eval/accuracy", "actor/entropy", "actor/approx_kl", "actor/logprob_gap")
-SHORT = {"reward/mean": "reward", "eval/accuracy": "acc", "actor/entropy": "ent", "actor/approx_kl": "kl", "actor/logprob_gap": "gap"}
+#: "kl" is the KL to the reference (present with a KL penalty); approx_kl, the new policy against the
+#: old one (about 0 for one update per batch), was shown as "kl" and is "ppo_kl" when asked for
+DEFAULT_KEYS = ("reward/mean", "eval/accuracy", "actor/entropy", "actor/kl", "actor/logprob_gap")
+SHORT = {"reward/mean": "reward", "eval/accuracy": "acc", "actor/entropy": "ent", "actor/kl": "kl",
+         "actor/approx_kl": "ppo_kl", "actor/logprob_gap": "gap"}
 
 
 class ConsoleSink:

@@ -311,10 +311,19 @@ def _drop_torn_tail(path: str) -> None:
             f.seek(size - 1)
             if f.read(1) == b"\n":
                 return
-            f.seek(max(0, size - (1 << 20)))
-            tail = f.read()
-            cut = tail.rfind(b"\n")
-            f.truncate(size - len(tail) + cut + 1 if cut >= 0 else (0 if size <= (1 << 20) else size))
+            # back from the end, 1 MiB at a time, to the last newline: a torn row of samples with long
+            # responses can be longer than one read (only the last 1 MiB was searched, and a longer torn
+            # row stayed, glued to the next row written)
+            end = size
+            while end > 0:
+                start = max(0, end - (1 << 20))
+                f.seek(start)
+                cut = f.read(end - start).rfind(b"\n")
+                if cut >= 0:
+                    f.truncate(start + cut + 1)
+                    return
+                end = start
+            f.truncate(0)  # no newline at all: the file is one torn row
     except FileNotFoundError:
         return
 

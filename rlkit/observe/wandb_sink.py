@@ -8,10 +8,17 @@ the one ``wandb login`` stores in ``~/.netrc``), and offline without one: a loca
 A metric that is a list of dicts (``samples``: a recipe's ``log_samples``, ``rk.observe.samples``)
 is logged as a ``wandb.Table`` under its name, columns ``step`` and the rows' keys (``prompt``,
 ``response``, ``reward``, ``advantage``), as TRL logs its completions; numbers as they are.
+
+wandb keeps one row per step and ignores a step at or below the last it logged: a run resumed in
+the same process from an earlier checkpoint (its steps after the checkpoint come again), or a
+second fresh ``fit`` on the same sink, would lose those steps in wandb. The sink warns when that
+happens, naming the steps; give each such run a new ``WandbSink`` (a new wandb run), as the JSONL
+and list sinks need not (they rewind).
 """
 from __future__ import annotations
 
 import os
+import warnings
 
 from rlkit.observe.sinks import _json_ready, _metric_items, table_columns, table_rows
 
@@ -27,11 +34,24 @@ class WandbSink:
         mode = init_kwargs.pop("mode", None) or os.environ.get("WANDB_MODE") or (None if _has_key() else "offline")
         self.run = wandb.init(project=project, config=config or {}, **({"mode": mode} if mode else {}), **init_kwargs)
         self._wandb = wandb
+        self._last: int | None = None  # the highest step logged: wandb ignores any step at or below it
+        self._warned = False
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         # commit now: by default wandb holds a step's values until the next step's arrive, and a
         # run that dies before then (or before close) would lose its last step
         # (the step is wandb's step: a metric named "step" would be a chart of its own)
+        step = int(_json_ready(step))
+        if self._last is not None and step <= self._last:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"WandbSink: step {step} comes after step {self._last} was logged; wandb keeps one row per step and "
+                    f"ignores steps up to {self._last} now, so this run's steps {step}..{self._last} are not in wandb run "
+                    f"{getattr(self.run, 'name', None)!r} (the rest are). A resumed run or a new fit needs a new WandbSink "
+                    "(a new wandb run); the JSONL and list sinks keep them", RuntimeWarning, stacklevel=2)
+            return
+        self._last = step
         row = {k: self._table(step, rows) if (rows := table_rows(v)) is not None else v for k, v in _metric_items(metrics)}
         self.run.log(row, step=step, commit=True)
 

@@ -249,17 +249,19 @@ def _sample_share(state: TrainState, eng: Engine, prompts: Prompts, params: Samp
 
 def _with_metrics(batch: Batch, seconds: float, extra: dict[str, float]) -> Batch:
     tokens = float(batch["response_mask"].sum())
-    batch.set_non_tensor("rollout_metrics", {
+    metrics = {
         "rollout/seconds": seconds,
-        "rollout/tokens": tokens,
-        "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
         "rollout/truncated_frac": float(batch["truncated"].float().mean()),
         "rollout/response_len": tokens / batch.batch_size[0],
         **extra,  # the engine's own figures (rollout/seconds: its generate time)
         # the whole (gathered) batch's count: the engine's is its replica's share, so ranks reported
         # different rollout/tokens
         "rollout/tokens": tokens,
-    })
+    }
+    # the rate of the seconds reported beside it (the engine's generate time when it gives one): it
+    # was of the outer timer's, 2% below rollout/tokens / rollout/seconds in the same dict
+    metrics["rollout/tokens_per_s"] = tokens / max(float(metrics["rollout/seconds"]), 1e-9)
+    batch.set_non_tensor("rollout_metrics", metrics)
     return batch
 
 

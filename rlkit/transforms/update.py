@@ -584,7 +584,10 @@ def update(
     averaged over mini-batches, except names ending in ``_max`` / ``_min``, which report the
     largest / smallest value over all of them.
 
-    Returns ``(new_state, metrics)`` with loss parts, clip fraction, approx KL, entropy, grad
+    Returns ``(new_state, metrics)`` with loss parts, clip fraction, approx KL (``actor/approx_kl``:
+    the new policy against the old, PPO's), entropy (``actor/entropy``) and, with a KL penalty, the
+    KL to the reference (``actor/kl``; ``actor/kl_loss`` is the loss term), the last two token means
+    whatever ``agg`` (the loss terms use ``agg``: Dr. GRPO's divides a sum by the horizon), grad
     norm, learning rate and the train-vs-rollout log-prob gap (``actor/logprob_gap`` and
     ``actor/logprob_gap_max``, over the first mini-batch's unfiltered rows, before any step;
     absent when the batch has no ``logprobs`` or every row measured is ``logprobs_filtered``),
@@ -840,7 +843,10 @@ def update(
                             for k, v in pg_metrics.items():
                                 record_loss_metric(f"actor/{k}", v, frac)
                             ent = aggregate(entropy, mask, term_agg, **norm)
-                            record("actor/entropy", ent, 1.0)
+                            # the metrics are token means whatever the loss's aggregation: Dr. GRPO's
+                            # sum over tokens / horizon reported an "entropy" of 7.6 where ln(vocab) is 2.9
+                            token_mean = term_agg == "token-mean"
+                            record("actor/entropy", ent if token_mean else aggregate(entropy.detach(), mask, "token-mean", num_tokens=num_tokens), 1.0)
                             if entropy_coef:
                                 total = total - entropy_coef * ent
                             if kl_coef:
@@ -848,6 +854,7 @@ def update(
                                 kl_loss = aggregate(kl_mat, mask, term_agg, **norm)
                                 total = total + kl_coef * kl_loss
                                 record("actor/kl_loss", kl_loss, 1.0)
+                                record("actor/kl", kl_loss if token_mean else aggregate(kl_mat.detach(), mask, "token-mean", num_tokens=num_tokens), 1.0)
                             if "logprobs" in keys and epoch == 0 and m0 == 0:
                                 # the silent bug of every peer: train-vs-rollout numerics; measured before any step
                                 # rows sampled with top-k/top-p differ by design: measured over the others only
