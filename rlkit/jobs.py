@@ -239,12 +239,12 @@ def _recipe_before_warmup(opts: argparse.Namespace):
         except OSError as e:
             raise ValueError(f"option 'out' (--out {opts.out}) cannot be created or written to ({type(e).__name__}: "
                              f"{e.strerror or e}); give a directory you can write to") from None
-    recipe = recipes.get(opts.algo, n=opts.n, temperature=opts.temperature,  # the recipe checks these
-                         kl=("low_var_kl", opts.kl) if opts.kl else None, log_samples=opts.samples)
-    if opts.n < 2 and not recipe.needs_critic() and getattr(recipe, "estimator", "grpo") in GROUP_ESTIMATORS:
+    default = recipes.get(opts.algo)  # the algorithm's own estimator, checked here to name the flag (the recipe names its field)
+    if opts.n < 2 and not default.needs_critic() and (opts.algo == "dapo" or getattr(default, "estimator", "grpo") in GROUP_ESTIMATORS):
         raise ValueError(f"option 'n' is {opts.n}, but --algo {opts.algo} compares the samples of each prompt with each "
                          "other; use --n 2 or more (or --algo ppo, whose critic needs no groups)")
-    return recipe
+    return recipes.get(opts.algo, n=opts.n, temperature=opts.temperature,  # the recipe checks these
+                       kl=("low_var_kl", opts.kl) if opts.kl else None, log_samples=opts.samples)
 
 
 def _overlong_shaping(recipe) -> dict[str, int]:

@@ -136,10 +136,20 @@ class Recipe:
             estimator = getattr(self, "estimator", None)
             if isinstance(estimator, str):
                 ADVANTAGE_ESTIMATORS.get(estimator)
+
             if self.kl is not None and isinstance(self.kl[0], str):
                 KL_PENALTIES.get(self.kl[0])
         except (KeyError, ValueError, TypeError) as e:
             raise ValueError(f"{name}: {e}") from None
+        from rlkit.transforms.advantage import GROUP_ESTIMATORS
+
+        estimator = getattr(self, "estimator", None)
+        if self.n < 2 and _hashable(estimator) and estimator in GROUP_ESTIMATORS:
+            # a group of one has no statistics to compare with: advantage refused it after the
+            # first rollout, naming rollout(..., n=8) rather than this field
+            shown = estimator if isinstance(estimator, str) else getattr(estimator, "__name__", estimator)
+            raise ValueError(f"{name}.n={self.n}: the estimator {shown!r} compares the n responses sampled for each prompt, "
+                             "so it needs n >= 2 (e.g. .with_(n=8))")
         from rlkit.transforms.rollout import ENGINES
 
         if self.engine is not None and not (self.engine in ENGINES if isinstance(self.engine, str) else callable(getattr(self.engine, "generate", None))):
@@ -273,3 +283,11 @@ def check_fields(factory: Callable, changes: Mapping[str, Any], where: str) -> N
         close = [f"{m[0]!r} for {u!r}" for u, m in near.items() if m]
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise TypeError(f"{where}: {cls.__name__} has no field(s) {unknown}{hint}; its fields: {', '.join(names)}")
+
+
+def _hashable(value) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True

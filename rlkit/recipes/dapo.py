@@ -71,6 +71,11 @@ class DAPO(Recipe):
     max_attempts: int = 3
 
     def __post_init__(self):
+        if isinstance(self.n, int) and self.n < 2:
+            # dynamic sampling keeps groups whose rewards differ; one response always agrees with
+            # itself, so every step was skipped after max_attempts rollouts, without a word
+            raise ValueError(f"DAPO.n={self.n}: dynamic sampling keeps the prompts whose n responses got different "
+                             "rewards, which one response never has, so nothing would train; give n >= 2 (e.g. .with_(n=8))")
         super().__post_init__()
         int_at_least(self.max_attempts, "DAPO.max_attempts", 1, " (rollouts per step to fill the batch)")
         int_at_least(self.overlong_buffer, "DAPO.overlong_buffer", 0)
