@@ -49,6 +49,30 @@ def fresh_state(task):
     return build
 
 
+@pytest.fixture
+def policy_batch():
+    """``policy_batch(model, ref=False)``: 8 rows (2 groups of 4) of random 3-token prompts and 2-6
+    token responses, with ``model``'s log-probs as ``logprobs`` (plus 0.05 noise), random
+    ``advantages`` on the response tokens and, with ``ref=True``, ``ref_logprobs`` 0.3 from them."""
+    from rlkit.batch import make_batch
+    from rlkit.transforms.forward import model_logprobs
+
+    def build(model, ref: bool = False, b: int = 8, vocab: int = 18):
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, vocab, (3,), generator=g).tolist() for _ in range(b)]
+        responses = [torch.randint(3, vocab, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist() for _ in range(b)]
+        batch = make_batch(prompts, responses, group=[i // 4 for i in range(b)], rewards=[0.0] * b)
+        lp, _ = model_logprobs(model, batch)
+        mask = batch["response_mask"]
+        batch.set("logprobs", lp + 0.05 * torch.randn(lp.shape, generator=g) * mask)
+        batch.set("advantages", torch.randn(mask.shape, generator=g) * mask)
+        if ref:
+            batch.set("ref_logprobs", lp + 0.3 * torch.randn(lp.shape, generator=g) * mask)
+        return batch
+
+    return build
+
+
 def _child_env(nproc: int = 1) -> dict[str, str]:
     """Environment for a test's child processes: one intra-op thread each, and, when this machine
     has fewer GPUs than the ``nproc`` processes the test starts, ``RLKIT_DEVICE=cpu`` so that their

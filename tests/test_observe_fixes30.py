@@ -16,29 +16,15 @@ import math
 import warnings
 
 import pytest
-import torch
 
 import rlkit as rk
 from rlkit.algos.kl import k3
-from rlkit.batch import make_batch
 from rlkit.transforms.forward import model_logprobs
 
 
-def _batch(model, b=8, vocab=18):
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab, (3,), generator=g).tolist() for _ in range(b)]
-    responses = [torch.randint(3, vocab, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist() for _ in range(b)]
-    batch = make_batch(prompts, responses, group=[i // 4 for i in range(b)], rewards=[0.0] * b)
-    lp, _ = model_logprobs(model, batch)
-    batch.set("logprobs", lp)
-    batch.set("ref_logprobs", lp + 0.3 * torch.randn(lp.shape, generator=g) * batch["response_mask"])
-    batch.set("advantages", torch.randn(batch["response_mask"].shape, generator=g) * batch["response_mask"])
-    return batch
-
-
 @pytest.mark.parametrize("agg", ["seq-mean-token-sum-norm", "seq-mean-token-sum"])
-def test_entropy_and_kl_metrics_are_token_means_whatever_the_aggregation(tiny_model, char_tok, agg):
-    batch = _batch(tiny_model)
+def test_entropy_and_kl_metrics_are_token_means_whatever_the_aggregation(tiny_model, char_tok, agg, policy_batch):
+    batch = policy_batch(tiny_model, ref=True)
     mask = batch["response_mask"].bool()
     ref = {}
     for a in (None, agg):
@@ -55,14 +41,14 @@ def test_entropy_and_kl_metrics_are_token_means_whatever_the_aggregation(tiny_mo
     assert ref[agg]["actor/kl_loss"] != pytest.approx(kl, rel=1e-2)
 
 
-def test_the_console_shows_the_kl_to_the_reference_as_kl(tiny_model, char_tok):
+def test_the_console_shows_the_kl_to_the_reference_as_kl(tiny_model, char_tok, policy_batch):
     import io
 
     from rich.console import Console
 
     from rlkit.observe.console import ConsoleSink
 
-    batch = _batch(tiny_model)
+    batch = policy_batch(tiny_model, ref=True)
     state = rk.init(copy.deepcopy(tiny_model), rk.optim.adamw(lr=1e-3), tokenizer=char_tok)
     _, metrics = rk.update(state, batch, kl=("low_var_kl", 0.1), max_logprob_gap=None)
     out = io.StringIO()

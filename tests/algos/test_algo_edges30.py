@@ -19,19 +19,6 @@ import torch
 import rlkit as rk
 from rlkit.algos import POLICY_LOSSES
 from rlkit.algos.kl import AdaptiveKLController, FixedKLController, apply_kl_to_rewards
-from rlkit.batch import make_batch
-from rlkit.transforms.forward import model_logprobs
-
-
-def _batch(model, b=8, vocab=18):
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab, (3,), generator=g).tolist() for _ in range(b)]
-    responses = [torch.randint(3, vocab, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist() for _ in range(b)]
-    batch = make_batch(prompts, responses, group=[i // 4 for i in range(b)], rewards=[0.0] * b)
-    lp, _ = model_logprobs(model, batch)
-    batch.set("logprobs", lp + 0.05 * torch.randn(lp.shape, generator=g) * batch["response_mask"])
-    batch.set("advantages", torch.randn(batch["response_mask"].shape, generator=g) * batch["response_mask"])
-    return batch
 
 
 def _update(model, char_tok, batch, loss, micro):
@@ -45,8 +32,8 @@ def _update(model, char_tok, batch, loss, micro):
 
 
 @pytest.mark.parametrize("loss", ["kl_cov", "clip_cov"])
-def test_cov_losses_warn_when_micro_batches_choose_their_own_tokens(tiny_model, char_tok, loss):
-    batch = _batch(tiny_model)
+def test_cov_losses_warn_when_micro_batches_choose_their_own_tokens(tiny_model, char_tok, loss, policy_batch):
+    batch = policy_batch(tiny_model)
     whole, quiet = _update(tiny_model, char_tok, batch, loss, None)
     split, warned = _update(tiny_model, char_tok, batch, loss, 1)
     # the reason for the warning: one token per call, so 8 micro-batches act on 8 tokens, not 1
@@ -58,8 +45,8 @@ def test_cov_losses_warn_when_micro_batches_choose_their_own_tokens(tiny_model, 
     assert not same
 
 
-def test_split_invariant_losses_do_not_warn_of_selection(tiny_model, char_tok):
-    _, warned = _update(tiny_model, char_tok, _batch(tiny_model), "ppo_clip", 1)
+def test_split_invariant_losses_do_not_warn_of_selection(tiny_model, char_tok, policy_batch):
+    _, warned = _update(tiny_model, char_tok, policy_batch(tiny_model), "ppo_clip", 1)
     assert not warned
 
 
