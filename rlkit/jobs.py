@@ -209,7 +209,6 @@ def _recipe_before_warmup(opts: argparse.Namespace):
     warm-up, with the options that would otherwise fail only at the first RL step."""
     from rlkit import recipes
     from rlkit.state import _checked_device
-    from rlkit.transforms.advantage import GROUP_ESTIMATORS
 
     if opts.nproc_per_node is not None and opts.nproc_per_node < 1:
         raise ValueError(f"option 'nproc_per_node' must be >= 1, got {opts.nproc_per_node}")
@@ -239,8 +238,8 @@ def _recipe_before_warmup(opts: argparse.Namespace):
         except OSError as e:
             raise ValueError(f"option 'out' (--out {opts.out}) cannot be created or written to ({type(e).__name__}: "
                              f"{e.strerror or e}); give a directory you can write to") from None
-    default = recipes.get(opts.algo)  # the algorithm's own estimator, checked here to name the flag (the recipe names its field)
-    if opts.n < 2 and not default.needs_critic() and (opts.algo == "dapo" or getattr(default, "estimator", "grpo") in GROUP_ESTIMATORS):
+    # checked on the algorithm's default recipe first, to name the flag (the recipe names its field)
+    if opts.n < 2 and recipes.get(opts.algo).compares_groups():
         raise ValueError(f"option 'n' is {opts.n}, but --algo {opts.algo} compares the samples of each prompt with each "
                          "other; use --n 2 or more (or --algo ppo, whose critic needs no groups)")
     return recipes.get(opts.algo, n=opts.n, temperature=opts.temperature,  # the recipe checks these

@@ -415,8 +415,8 @@ def reinforce_plus_plus(
     normalisation). The reset is verl's: a mask with holes (a multi-turn response whose tool or
     user turns are masked out) ends the return at each hole, so a turn before one gets none of
     an outcome reward placed on the last token (mask ``[1,1,0,1]`` with reward 1 at the end gives
-    returns ``[0,0,0,1]``); :func:`gae` and :func:`remax` carry the reward across holes. ``gamma`` in ``[0, 1]``; ``1.0`` is verl's default. A batch with fewer than two
-    valid tokens has no variance to whiten by: its advantages are 0 (as :func:`gae`'s), where
+    returns ``[0,0,0,1]``); :func:`gae` and :func:`remax` carry the reward across holes.
+    ``gamma`` in ``[0, 1]``; ``1.0`` is verl's default. A batch with fewer than two valid tokens has no variance to whiten by: its advantages are 0 (as :func:`gae`'s), where
     verl's ``masked_var`` raises.
     """
     _check_tokens(token_rewards, response_mask)

@@ -464,8 +464,8 @@ def clip_cov(
     Pass a seeded ``generator`` for reproducible selection; the selection uses the statistics
     of this (micro-)batch, as verl, and drops at least one token per call: micro-batches (and
     data-parallel ranks) each choose their own tokens, so the split changes the gradient
-    (:func:`rlkit.update` warns when micro-batching splits a mini-batch). Metrics: ``clipfrac`` = fraction of dropped tokens,
-    ``approx_kl``.
+    (:func:`rlkit.update` warns when micro-batching splits a mini-batch). Metrics: ``clipfrac`` =
+    fraction of dropped tokens, ``approx_kl``.
     """
     _check_policy_inputs(logprobs, old_logprobs, advantages, response_mask)
     if not clip_cov_ratio > 0:

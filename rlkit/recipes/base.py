@@ -136,17 +136,14 @@ class Recipe:
             estimator = getattr(self, "estimator", None)
             if isinstance(estimator, str):
                 ADVANTAGE_ESTIMATORS.get(estimator)
-
             if self.kl is not None and isinstance(self.kl[0], str):
                 KL_PENALTIES.get(self.kl[0])
         except (KeyError, ValueError, TypeError) as e:
             raise ValueError(f"{name}: {e}") from None
-        from rlkit.transforms.advantage import GROUP_ESTIMATORS
-
-        estimator = getattr(self, "estimator", None)
-        if self.n < 2 and _hashable(estimator) and estimator in GROUP_ESTIMATORS:
+        if self.n < 2 and self.compares_groups():
             # a group of one has no statistics to compare with: advantage refused it after the
             # first rollout, naming rollout(..., n=8) rather than this field
+            estimator = getattr(self, "estimator", None)
             shown = estimator if isinstance(estimator, str) else getattr(estimator, "__name__", estimator)
             raise ValueError(f"{name}.n={self.n}: the estimator {shown!r} compares the n responses sampled for each prompt, "
                              "so it needs n >= 2 (e.g. .with_(n=8))")
@@ -257,6 +254,17 @@ class Recipe:
     def needs_critic(self) -> bool:
         return False
 
+    def compares_groups(self) -> bool:
+        """Whether a step compares the n responses of each prompt with each other (so needs n >= 2):
+        true for a built-in group estimator (:data:`rlkit.transforms.advantage.GROUP_ESTIMATORS`,
+        by name or function). A user's own estimator owns its statistics."""
+        from rlkit.transforms.advantage import GROUP_ESTIMATORS
+
+        try:
+            return getattr(self, "estimator", None) in GROUP_ESTIMATORS
+        except TypeError:  # an unhashable callable of the user's own
+            return False
+
     def step(self, state, prompts, reward):
         """One training step: ``(state, metrics)``. Subclasses define it (the built-in recipes do)."""
         own = sorted(n for n in vars(type(self)) if not n.startswith("_") and callable(getattr(type(self), n))
@@ -284,10 +292,3 @@ def check_fields(factory: Callable, changes: Mapping[str, Any], where: str) -> N
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise TypeError(f"{where}: {cls.__name__} has no field(s) {unknown}{hint}; its fields: {', '.join(names)}")
 
-
-def _hashable(value) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True

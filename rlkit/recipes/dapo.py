@@ -88,6 +88,9 @@ class DAPO(Recipe):
             # -1 made the penalty a bonus for long responses; nan read as a broken reward
             raise ValueError(f"DAPO.overlong_factor must be a finite number >= 0 (the largest penalty), got {self.overlong_factor!r}")
 
+    def compares_groups(self) -> bool:
+        return True  # dynamic sampling keeps only groups whose rewards differ, whatever the estimator
+
     def step(self, state, prompts, reward):
         kept, sampled, attempts = [], 0, 0
         target = len(prompts) * self.n

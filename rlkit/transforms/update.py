@@ -724,9 +724,9 @@ def update(
     # rows of one mini-batch on this rank (micro_batch_size bounds this rank's forward/backward)
     local_mini = mini // dp.size if shard is not None else mini
     micro = min(micro, local_mini)
-    _warn_local_normaliser(loss_fn, loss_accepts, parts=-(-local_mini // micro), ranks=dp.size if shard is not None else 1,
-                           micro=micro, mini=mini)
-    _warn_per_call_selection(loss_fn, parts=-(-local_mini // micro), micro=micro)
+    parts = -(-local_mini // micro)  # micro-batches per mini-batch on this rank
+    _warn_local_normaliser(loss_fn, loss_accepts, parts=parts, ranks=dp.size if shard is not None else 1, micro=micro, mini=mini)
+    _warn_per_call_selection(loss_fn, parts=parts, micro=micro)
 
     # metrics stay on the device (float64) until one transfer at the end: a float() per metric
     # per micro-batch would make the host wait for the GPU before every backward
