@@ -89,6 +89,7 @@ def child_env():
     return _child_env
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: .ci/run's vLLM environment has no xdist
 def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (pyproject's addopts): one worker per core, at most 4. Most of the suite's time is
     spent in tests that start processes of their own (two gloo ranks each), and waiting on them:
