@@ -66,8 +66,8 @@ def context_limit(model) -> int | None:
 
 def check_context(model, tokens: int, where: str, hint: str) -> None:
     """Raise ``ValueError`` when ``tokens`` positions exceed the model's context
-    (:func:`context_limit`); positions past it index nothing the model learned, and the built-in
-    engine's rotary table would not reach them."""
+    (:func:`context_limit`): positions past it index nothing the model learned (the built-in
+    engine would extend its rotary table and generate from them without a word)."""
     limit = context_limit(model)
     if limit is not None and tokens > limit:
         raise ValueError(f"{where} needs {tokens} positions, over the model's context of {limit} tokens "

@@ -53,6 +53,9 @@ class SamplingParams:
                              "overflow when divided by it); use temperature=0 for greedy decoding")
         if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be a number in (0, 1] (1: no top-p filter), got {self.top_p!r}")
+        if not isinstance(self.ignore_stop, bool):
+            # a truthy string such as "no" ignored every stop token silently
+            raise ValueError(f"SamplingParams.ignore_stop must be True or False, got {self.ignore_stop!r}")
         stop = self.stop_token_ids
         if isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable) or not all(is_int(t) and t >= 0 for t in stop):
             raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of token ids (ints >= 0), got {stop!r}")
@@ -150,9 +153,14 @@ def left_pad_prompts(prompts: Sequence[Sequence[int]], pad_token_id: int, vocab:
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.bool)
     for i, prompt in enumerate(prompts):
-        row = list(prompt)
+        row = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
         if not row:
             raise ValueError(f"generate: prompt {i} is empty; every prompt needs at least one token (e.g. a BOS token)")
+        if not all(is_int(t) for t in row):
+            # a float id (14.7) was truncated to 14 by torch.tensor: silently another prompt
+            bad = next(t for t in row if not is_int(t))
+            raise ValueError(f"generate: prompt {i} holds {bad!r}, not an integer token id; pass ints (e.g. the "
+                             "tokenizer's input_ids as a list, or a long tensor's .tolist())")
         if min(row) < 0 or max(row) >= vocab:
             raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab}): {row[:10]}...")
         ids[i, width - len(row) :] = torch.tensor(row)

@@ -12,6 +12,8 @@ Sampling in ``generate`` draws from the global RNG; a ``torch.Generator`` passed
 """
 from __future__ import annotations
 
+import contextlib
+import operator
 import time
 from typing import Mapping, Sequence
 
@@ -31,6 +33,9 @@ def _pad_id(tokenizer_or_pad_id, model: nn.Module) -> int:
     vocab = _embedding_rows(model)
     if isinstance(tokenizer_or_pad_id, bool):
         raise TypeError("HFEngine: pass a tokenizer or an int pad id, got a bool")
+    if not isinstance(tokenizer_or_pad_id, int) and hasattr(tokenizer_or_pad_id, "__index__"):
+        with contextlib.suppress(TypeError):
+            tokenizer_or_pad_id = operator.index(tokenizer_or_pad_id)  # numpy int, 0-d integer tensor
     if isinstance(tokenizer_or_pad_id, int):
         if vocab is not None and not 0 <= tokenizer_or_pad_id < vocab:
             raise ValueError(
