@@ -345,9 +345,16 @@ def _passes_spill(wl, phases: dict) -> bool:
 
 
 def summarize(wl, times_list, metrics_list, n_params, ceilings, device) -> dict:
+    """Medians over the timed steps. Rates are each step's tokens over that step's time, then the
+    median: where responses stop at EOS (the CPU presets) the token count varies by step, and one
+    step's count over the median time put the rate wherever the last step's length fell."""
     med = {k: statistics.median(t[k] for t in times_list) for k in times_list[0]}
-    m = metrics_list[-1]
-    tokens, generated = m["tokens_total"], m["tokens_generated"]
+
+    def rate(count: str, seconds) -> float:  # median over steps of count / seconds(step)
+        return statistics.median(mm[count] / seconds(t, mm) for t, mm in zip(times_list, metrics_list))
+
+    tokens = statistics.median(mm["tokens_total"] for mm in metrics_list)
+    generated = statistics.median(mm["tokens_generated"] for mm in metrics_list)
     out = {
         "preset": wl.name,
         "device": str(device),
@@ -358,10 +365,10 @@ def summarize(wl, times_list, metrics_list, n_params, ceilings, device) -> dict:
         "step_seconds_median": med["step"],
         "step_seconds_all": [t["step"] for t in times_list],
         "phase_seconds_median": med,
-        "rollout_tokens_per_s": generated / statistics.median(mm["rollout/seconds"] for mm in metrics_list),
-        "rollout_call_tokens_per_s": generated / med["rollout"],
+        "rollout_tokens_per_s": rate("tokens_generated", lambda t, mm: mm["rollout/seconds"]),
+        "rollout_call_tokens_per_s": rate("tokens_generated", lambda t, mm: t["rollout"]),
         "responses_per_s": wl.rows / med["step"],
-        "generated_tokens_per_s_step": generated / med["step"],
+        "generated_tokens_per_s_step": rate("tokens_generated", lambda t, mm: t["step"]),
         "weight_sync_s": statistics.median(mm.get("sync/seconds", 0.0) for mm in metrics_list),
         "weight_sync_bytes": metrics_list[-1].get("sync/bytes", 0.0) + metrics_list[-1].get("sync/fused_bytes", 0.0),
         "logprob_gap_mean_abs": statistics.median(mm.get("actor/logprob_gap", float("nan")) for mm in metrics_list),
@@ -369,13 +376,12 @@ def summarize(wl, times_list, metrics_list, n_params, ceilings, device) -> dict:
         "clipfrac_step1": metrics_list[0].get("actor/clipfrac"),
         "clipfrac_vs_behaviour_step1": metrics_list[0].get("behaviour_clipfrac"),
     }
-    update_flops = 6 * n_params * tokens
     if not _passes_spill(wl, med):
-        out["update_tflops"] = update_flops / med["update"] / 1e12
+        out["update_tflops"] = 6 * n_params * rate("tokens_total", lambda t, mm: t["update"]) / 1e12
     for name in ("old_logprobs", "ref_logprobs"):
         if name in med:
             out[f"{name}_s"] = med[name]
-            out[f"{name}_tflops"] = 2 * n_params * tokens / med[name] / 1e12
+            out[f"{name}_tflops"] = 2 * n_params * rate("tokens_total", lambda t, mm, name=name: t[name]) / 1e12
     if ceilings:
         c = ceilings["bf16_matmul_tflops"]
         out["ceiling"] = ceilings
@@ -497,11 +503,11 @@ def print_table(res: dict, trl: dict | None) -> None:
         src = res if k in phases else serial if k in serial.get("phase_seconds_median", {}) else None
         if src is not None:
             pct = f", {src[k + '_pct_ceiling']:.0f}% of ceiling" if k + "_pct_ceiling" in src else ""
-            rows.append((f"  {k.replace('_', ' ')} pass", f"{src['phase_seconds_median'][k]:.3f} s ({src[k + '_tflops']:.1f} TFLOP/s{pct})"))
+            rows.append((f"  {k.replace('_', ' ')} pass", f"{src['phase_seconds_median'][k]:.3f} s ({src[k + '_tflops']:.3g} TFLOP/s{pct})"))
     src = serial if spill else res
     if "update_tflops" in src:
         pct = f", {src['update_pct_ceiling']:.0f}% of ceiling" if "update_pct_ceiling" in src else ""
-        rows.append(("  update (fwd+bwd+AdamW)", f"{src['phase_seconds_median']['update']:.3f} s ({src['update_tflops']:.1f} TFLOP/s{pct})"))
+        rows.append(("  update (fwd+bwd+AdamW)", f"{src['phase_seconds_median']['update']:.3f} s ({src['update_tflops']:.3g} TFLOP/s{pct})"))
     rows += [
         ("rollout tokens/s (engine)", f"{res['rollout_tokens_per_s']:,.0f}"),
         ("weight sync", f"{res['weight_sync_s'] * 1e3:.2f} ms ({res['weight_sync_bytes'] / 1e9:.3f} GB)"),
@@ -621,8 +627,17 @@ def main(argv=None) -> dict:
         ap.error("--rounds needs --compare trl")
     if args.rounds < 0:
         ap.error(f"--rounds must be >= 0, got {args.rounds}")
+    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--trl-steps", args.trl_steps, 1),
+                               ("--threads", args.threads, 1)):
+        if value is not None and value < least:
+            ap.error(f"{flag} must be >= {least}, got {value}")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        # found before the run, not after it: the figures would be printed but not written
+        ap.error(f"--json {args.json}: its folder does not exist; create it or pass another path")
+    if args.device not in ("auto", "cpu") and torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: this torch has no CUDA device ({torch.__version__}); use --device cpu")
     started = time.perf_counter()
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     gpu = device.type == "cuda"

@@ -272,3 +272,28 @@ def test_child_json_takes_the_last_tagged_line_and_reports_failures():
     env = {**os.environ, "RLKIT_CHILD_PROBE": "seen"}
     probe = [py, "-c", "import json, os; print('X_JSON ' + json.dumps({'v': os.environ.get('RLKIT_CHILD_PROBE')}))"]
     assert _workload.child_json(probe, "X_JSON", env=env)["v"] == "seen"
+
+
+def test_summarize_rates_are_per_step_not_the_last_steps_count_over_the_median_time():
+    # responses stop at EOS on the CPU presets, so the generated count varies by step; the last
+    # step's 900 over the median 1 s reported 900 tok/s where every step ran at 600 or 900
+    wl = _workload.PRESETS["cpu"]
+    times = [{"rollout": 1.0, "update": 2.0, "step": 4.0}] * 3
+    metrics = [{"rollout/seconds": 1.0, "tokens_total": g + 400.0, "tokens_generated": g} for g in (600.0, 600.0, 900.0)]
+    r = grpo_step.summarize(wl, times, metrics, 1000, None, torch.device("cpu"))
+    assert r["tokens_generated"] == 600 and r["tokens_total"] == 1000
+    assert r["rollout_tokens_per_s"] == r["rollout_call_tokens_per_s"] == 600
+    assert r["generated_tokens_per_s_step"] == 150
+    assert r["update_tflops"] == pytest.approx(6 * 1000 * 1000 / 2.0 / 1e12)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--warmup", "-1"], "--warmup must be >= 0"),
+    (["--threads", "0"], "--threads must be >= 1"),
+    (["--json", "/nonexistent-folder-rlkit/r.json"], "its folder does not exist"),
+])
+def test_bad_flags_stop_before_the_run_with_the_flag_named(argv, says, capsys):
+    with pytest.raises(SystemExit) as stop:
+        grpo_step.main(["--preset", "cpu", "--device", "cpu", *argv])
+    assert stop.value.code == 2 and says in capsys.readouterr().err
