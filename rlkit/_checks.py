@@ -15,6 +15,14 @@ def is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def check_seed(seed, where: str, hint: str = "") -> None:
+    """Raise ``ValueError`` naming ``where`` unless ``seed`` is an int in ``[0, 2**63)``: what a
+    torch generator takes (1.5 was truncated to 1, 2**64 overflowed inside it, None and "a" failed
+    deep inside torch or ``random``). ``hint`` follows the requirement in the message."""
+    if not (is_int(seed) and 0 <= seed < 2**63):
+        raise ValueError(f"{where}: seed must be an int in [0, 2**63){hint}, got {seed!r}")
+
+
 def int_at_least(value, name: str, minimum: int = 1, hint: str = "") -> None:
     """Raise ``ValueError`` naming ``name`` unless ``value`` is an int (not a bool) ``>= minimum``;
     ``hint`` follows the requirement in the message (``" or None (the whole batch)"``)."""

@@ -5,7 +5,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from rlkit._checks import check_context, int_at_least, model_of, tokenizer_of
+from rlkit._checks import check_context, check_seed, int_at_least, model_of, tokenizer_of
 from rlkit.data import DataError, Prompts, PromptSet, load_prompts
 from rlkit.engines.base import SamplingParams
 
@@ -57,6 +57,7 @@ def evaluate(
     model = model_of(model, "evaluate")
     tokenizer = tokenizer_of(tokenizer, "evaluate")
     int_at_least(batch_size, "evaluate: batch_size", 1, " (prompts per generate call)")
+    check_seed(seed, "evaluate", " (seeds the sampling when temperature > 0)")
     if not isinstance(prompts, (PromptSet, Prompts)):
         prompts = load_prompts(prompts, tokenizer)  # a list of strings or rows, a .jsonl/.json/.csv/.parquet path, a DataFrame, a Dataset
     if len(prompts) == 0:

@@ -8,6 +8,7 @@ last message's content is scored.
 from __future__ import annotations
 
 import re
+from decimal import Decimal, InvalidOperation
 from typing import Any, Sequence
 
 import torch
@@ -46,26 +47,30 @@ def exact_match(completions: Sequence[str], answer: Sequence[Any], **_) -> list[
 
 
 def extract_hash_answer(text: str) -> str | None:
-    """GSM8K convention: the final answer follows ``####``. Returns None when absent."""
+    """GSM8K convention: the final answer follows ``####``. Returns None when absent. Thousands
+    separators are dropped ("1,234" is "1234"); any other comma stays ("1,2" is not "12"), as in
+    :func:`exact_match`."""
     if "####" not in text:
         return None
     tail = text.split("####")[-1]
     match = _NUMBER.search(tail)
-    return match.group(0).replace(",", "") if match else None
+    return _norm(match.group(0)) if match else None
 
 
 def math_answer(completions: Sequence[str], answer: Sequence[Any], **_) -> list[float]:
     """1.0 where the ``#### <answer>`` of the completion equals the reference answer.
 
     The reference may itself be a full GSM8K solution (its ``####`` part is used) or a number.
+    Numbers compare by value, exactly ("2.0" is "2"; integers past float precision stay distinct).
     """
     out = []
     for c, a in zip(completions, answer):
         ref = extract_hash_answer(str(a)) or _norm(a)
         got = extract_hash_answer(_text(c))
         try:
-            ok = got is not None and float(got) == float(ref)
-        except ValueError:
+            # Decimal, not float: float("12345678901234567891") == float("12345678901234567890")
+            ok = got is not None and Decimal(got) == Decimal(ref)
+        except (InvalidOperation, ValueError):
             ok = got is not None and got == ref
         out.append(float(ok))
     return out

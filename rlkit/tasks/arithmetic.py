@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from rlkit._checks import int_at_least
+from rlkit._checks import check_seed, int_at_least
 
 from rlkit.data import load_prompts
 from rlkit.rewards import exact_match
@@ -74,6 +74,7 @@ def arithmetic(
         raise ValueError(f"digits must be an int between 1 and 6, got {digits!r}")
     int_at_least(n_train, "arithmetic: n_train", 1)
     int_at_least(n_test, "arithmetic: n_test", 1)
+    check_seed(seed, "arithmetic", " (draws the problems and the teacher's errors)")
     if n_sft is not None:
         int_at_least(n_sft, "arithmetic: n_sft", 0, " or None (every training problem)")
     hi = 10**digits - 1
