@@ -60,8 +60,12 @@ def warmup(
     characters the tokenizer encodes as its unknown token (rlkit's character tokenizer does for
     any character outside its alphabet), or longer than the model's context, is refused with a
     ``ValueError`` naming it, before the first step: the steps' draws are made first and every
-    example drawn is checked (one never drawn is not). ``sft/lr`` is the learning rate the step
-    trained with.
+    example drawn is checked (one never drawn is not).
+
+    The optimizer is AdamW without weight decay; ``lr`` is the peak of its schedule: a linear
+    warm-up over ``min(warmup_steps, steps)`` steps, then a cosine decay to ``0.1 * lr`` at
+    ``steps``. Gradients are clipped to a total norm of 1.0. ``sft/lr`` is the learning rate the
+    step trained with.
 
     ``sinks`` (as :func:`rlkit.fit`'s: a progress bar, a notebook dashboard, a JSONL file) and
     ``on_step`` get ``(steps done, metrics)`` after every step, so the last call says ``steps``::
