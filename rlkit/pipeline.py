@@ -73,6 +73,37 @@ GRAD_REDUCE = ("micro_batch", "step")
 StepFn = Callable[[TrainState, Prompts, Callable], "tuple[TrainState, dict]"]
 
 
+def _check_order(step: Any, reward: Any) -> None:
+    """Refuse ``Pipeline(reward, step)``, the arguments swapped. A recipe name given as the reward was
+    refused as "unknown reward 'grpo'" after the reward function had been taken as the step (a
+    function passes for one), and a recipe class or factory is callable, so it passed for a reward
+    function and failed at the first score; a reward's name given as the step was an "unknown
+    algorithm"."""
+    from rlkit.recipes import RECIPES
+    from rlkit.transforms.score import BUILT_IN_REWARDS
+
+    def shown(obj) -> str:
+        name = getattr(obj, "__name__", "")
+        return repr(obj) if isinstance(obj, str) else name if name.isidentifier() else "reward"
+
+    if isinstance(reward, Recipe):
+        what, fix = f"a recipe ({type(reward).__name__})", "recipe"
+    elif isinstance(reward, str) and reward in RECIPES:
+        what, fix = f"the recipe name {reward!r}", repr(reward)
+    elif (isinstance(reward, type) and issubclass(reward, Recipe)) or any(reward is f for f in RECIPES.values()):
+        name = next((k for k, f in RECIPES.items() if f is reward), None)
+        what = f"the recipe {'class' if isinstance(reward, type) else 'factory'} {reward.__name__}"
+        fix = f"rk.recipes.get({name!r})" if name else f"{reward.__name__}(...)"
+    elif isinstance(step, str) and step in BUILT_IN_REWARDS and step not in RECIPES:
+        raise TypeError(f"Pipeline: step {step!r} is a built-in reward's name, not a recipe; the order is "
+                        f"Pipeline(step, reward), e.g. Pipeline('grpo', {step!r})")
+    else:
+        return
+    # the swapped call, where the step given looks like the reward (not a recipe or a recipe's name)
+    swapped = "" if isinstance(step, (str, Recipe)) else f": Pipeline({fix}, {shown(step)})"
+    raise TypeError(f"Pipeline: reward is {what}; the order is Pipeline(step, reward){swapped}")
+
+
 @dataclass(frozen=True)
 class Pipeline:
     """A training step (a recipe, or any ``f(state, prompts, reward) -> (state, metrics)``) and its reward.
@@ -87,6 +118,7 @@ class Pipeline:
     def __post_init__(self) -> None:
         # checked here, not on the first step: a wrong step or reward otherwise surfaces after a
         # whole rollout, deep inside the loop or score, as "'str' object is not callable"
+        _check_order(self.step, self.reward)
         if isinstance(self.step, str):
             from rlkit.recipes import get
 
@@ -101,8 +133,6 @@ class Pipeline:
                 f"function step(state, prompts, reward) -> (state, metrics); got {type(self.step).__name__}"
             )
         reward = self.reward
-        if isinstance(reward, Recipe):
-            raise TypeError(f"Pipeline: reward is a recipe ({type(reward).__name__}); the order is Pipeline(step, reward)")
         from rlkit.transforms.score import check_reward
 
         # what rk.score takes, built-in names included; with the recipe's reward_weights where it has them

@@ -13,13 +13,14 @@ from __future__ import annotations
 import copy
 import hashlib
 import warnings
+import weakref
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 import torch
 from torch import nn
 
-from rlkit._checks import is_int
+from rlkit._checks import check_seed
 from rlkit.optim import OptimizerSpec
 
 
@@ -55,9 +56,12 @@ _USE_INSTEAD = {
                               "(or `state = checkpointer.resume(template)`)"),
     "rlkit.launch": ("the workers' trained state was loaded into its models and optimizers in place",
                      "Use the state the launch returned: `state, history = rk.launch(plan, state, prompts, ...)`"),
+    "rlkit.init": ("a new rk.init was given its model, which the new state trains in place with its own optimizer",
+                   "Use the state rk.init returned, or for two independent runs give rk.init a copy: "
+                   "`rk.init(copy.deepcopy(model), ...)`"),
 }
 
-_INTERNAL = {"_donation", "_cache", "replace", "donate", "is_donated", "_check"}
+_INTERNAL = {"_donation", "_cache", "replace", "donate", "is_donated", "_check", "_repr_parts"}
 #: the in-place trained objects: a replace() that keeps one of them makes an alias of the state
 _TRAINED = ("actor", "optimizer", "critic", "critic_optimizer")
 
@@ -73,6 +77,10 @@ _DERIVED = {
 }
 #: ``_cache`` entries that lowering (``Plan.shard``) sets: the models are wrapped for a mesh
 _LOWERED = ("dp", "split")
+
+#: every TrainState made, held weakly (nothing here keeps a state or its models alive): rk.init
+#: looks here for a live state that already trained the model it is given (:func:`_trained_owners`)
+_STATES: "weakref.WeakSet[TrainState]" = weakref.WeakSet()
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,13 +138,37 @@ class TrainState:
                 raise error
         return object.__getattribute__(self, name)
 
+    def __post_init__(self) -> None:
+        _STATES.add(self)
+
     def __repr__(self) -> str:
         donation = object.__getattribute__(self, "_donation")
         if donation.donated:
             # a notebook still shows (and a debugger inspects) the old handle: describe it, don't raise
             return f"TrainState(<donated to {donation.by}: use the state it returned{'; see .state of the last error' if _live_latest(donation) is not None else ''}>)"
-        shown = ", ".join(f"{f.name}={object.__getattribute__(self, f.name)!r}" for f in fields(self) if f.repr)
-        return f"TrainState({shown})"
+        # a summary, not the fields' own reprs: those printed three module trees, the optimizer's
+        # param groups and the tokenizer's token table (110 lines, the step after 4700 characters)
+        return "TrainState(" + ",\n           ".join(", ".join(line) for line in self._repr_parts()) + ")"
+
+    def _repr_parts(self) -> list[list[str]]:
+        """The lines of :meth:`__repr__`: models, then optimizer and tokenizer, then counters."""
+        get = lambda name: object.__getattribute__(self, name)  # noqa: E731 - no donation check: repr never raises
+        roles = [f"{role}={_describe_module(get(role)) if get(role) is not None else None}" for role in ("ref", "critic")]
+        # a reference or critic gets a line of its own: three model descriptions make a long one
+        models = [[f"actor={_describe_module(get('actor'))}"], roles] if get("ref") is not None or get("critic") is not None \
+            else [[f"actor={_describe_module(get('actor'))}", *roles]]
+        trained = [f"optimizer={_describe_optimizer(get('optimizer'))}"]
+        if get("critic_optimizer") is not None:
+            trained.append(f"critic_optimizer={_describe_optimizer(get('critic_optimizer'))}")
+        trained.append(f"tokenizer={_describe_tokenizer(get('tokenizer'))}")
+        counters = [f"step={get('step')}", f"policy_version={get('policy_version')}", f"data_position={get('data_position')}",
+                    f"seed={get('seed')}"]
+        if get("extras"):
+            counters.append(f"extras={sorted(map(str, get('extras')))}")
+        if any(k in get("_cache") for k in _LOWERED):
+            counters.append("lowered")
+        counters.append("live")
+        return [*models, trained, counters]
 
     def _check(self) -> None:
         self.step  # noqa: B018 - raises if donated
@@ -213,6 +245,44 @@ def _live_latest(donation: _Donation) -> "TrainState | None":
     if latest is None or object.__getattribute__(latest, "_donation").donated:
         return None
     return latest
+
+
+def _count(n: int) -> str:
+    """``n`` parameters the way model cards write them: 7.3K, 494M, 1.5B."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+def _describe_module(module: Any) -> str:
+    """``Qwen2ForCausalLM(7.3K params, float32, cpu)``: class, size, dtype and device, not the tree."""
+    try:
+        params = list(module.parameters())
+    except Exception:  # not a module (a state built by hand): its type is what can be said
+        return type(module).__name__
+    if not params:
+        return f"{type(module).__name__}(no params)"
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in params})
+    devices = sorted({str(p.device) for p in params})
+    return f"{type(module).__name__}({_count(sum(p.numel() for p in params))} params, {'/'.join(dtypes)}, {'/'.join(devices)})"
+
+
+def _describe_optimizer(optimizer: Any) -> str:
+    try:
+        return f"{type(optimizer).__name__}(lr={float(optimizer.param_groups[0]['lr']):g})"
+    except Exception:
+        return type(optimizer).__name__
+
+
+def _describe_tokenizer(tokenizer: Any) -> str:
+    if tokenizer is None:
+        return "None"
+    try:
+        size = len(tokenizer)
+    except Exception:
+        size = getattr(tokenizer, "vocab_size", None)
+    return f"{type(tokenizer).__name__}(vocab={size})" if size is not None else type(tokenizer).__name__
 
 
 def record_stop(handle: "TrainState", latest: "TrainState | None", exc: BaseException) -> None:
@@ -380,10 +450,10 @@ def init(
     from rlkit.optim import adamw
 
     _check_init_args(model, optimizer, tokenizer, ref, critic, critic_optimizer)
-    if not (is_int(seed) and 0 <= seed < 2**63):
-        # fold_in hashed 1.5 and "0" as other seeds than 1 and 0; rollout refuses them the same way
-        raise ValueError(f"rk.init: seed must be an int in [0, 2**63) (the root of every rollout's and shuffle's "
-                         f"randomness), got {seed!r}")
+    # fold_in hashed 1.5 and "0" as other seeds than 1 and 0; rollout refuses them the same way
+    check_seed(seed, "rk.init", " (the root of every rollout's and shuffle's randomness)")
+    # after every argument check: a refused call warns of nothing and donates nothing
+    owners = _warn_trained_elsewhere(model, ref, critic)
     _warn_dropout(model)
     spec = optimizer or adamw()
     if device is not None:
@@ -406,7 +476,7 @@ def init(
     for module in (model, ref, critic):
         maybe_compile(module, compile)
     torch.manual_seed(fold_in(seed, "init"))
-    return TrainState(
+    state = TrainState(
         actor=model,
         optimizer=opt,
         scheduler=sched,
@@ -419,6 +489,11 @@ def init(
         optimizer_spec=spec,
         critic_optimizer_spec=(critic_optimizer or spec) if critic is not None else None,
     )
+    for owner in owners:
+        # the new state trains (or freezes) the owner's module in place: two usable handles of one
+        # set of weights is the aliasing donation exists to refuse
+        owner.donate("rlkit.init", None)
+    return state
 
 
 #: share of a model's trainable weights that an AdamW step of size ``lr`` must be able to move
@@ -550,6 +625,66 @@ def _warn_dropout(model: nn.Module) -> None:
         "to train with dropout",
         RuntimeWarning, stacklevel=3,
     )
+
+
+def _trained_owners(module: nn.Module) -> list[tuple["TrainState", str]]:
+    """The live (not donated) states that took at least one step and hold ``module`` (or one of its
+    parameters) as their actor, critic or reference, with that role: found through the weak
+    registry :data:`_STATES`, so only states something else still holds."""
+    found = []
+    for state in list(_STATES):
+        if object.__getattribute__(state, "_donation").donated or object.__getattribute__(state, "step") <= 0:
+            continue
+        for role in ("actor", "critic", "ref"):
+            held = object.__getattribute__(state, role)
+            if isinstance(held, nn.Module) and _shares_parameters(module, held):
+                found.append((state, role))
+                break
+    return found
+
+
+def _warn_trained_elsewhere(model: nn.Module, ref: Any, critic: Any) -> list["TrainState"]:
+    """Warn when a model given to :func:`init` belongs to a live TrainState that has trained (step > 0)
+    and return those states, which init then donates (the new state trains, or freezes, their module
+    in place). The notebook case: re-running a cell ``state = rk.init(model, ...); rk.fit(...)``
+    after the first run trained ``model`` in place started a "fresh" run at step 0 from the
+    trained weights, silently, and left the old state usable, stepping the same module with its own
+    optimizer. Refusing would also refuse starting a second phase from a run's weights on purpose,
+    and an untrained model given to init twice (states at step 0) stays allowed: nothing trained it yet."""
+    owners: dict[int, TrainState] = {}
+    found = []
+    for what, module in (("model", model), ("ref", ref), ("critic", critic)):
+        if not isinstance(module, nn.Module):
+            continue  # None, or ref="copy": a copy is made from the model, checked above
+        for state, role in _trained_owners(module):
+            if what == role == "ref":
+                continue  # one frozen reference shared by two runs: neither changes it
+            found.append((what, role, object.__getattribute__(state, "step")))
+            owners[id(state)] = state
+    if not found:
+        return []
+    what, role, step = max(found, key=lambda f: f[2])
+    given = {"model": "the model", "ref": "the ref model", "critic": "the critic"}[what]
+    if what == "ref":
+        effect = ("; the new state freezes it as its reference (requires_grad off), which stops that run training it. "
+                  "The older state is donated to this call and refuses further use")
+    elif role == "ref":
+        effect = ("; the new state would train that run's frozen KL reference in place. The older state is donated to "
+                  "this call and refuses further use")
+    else:
+        effect = (f": that run trained its weights in place, so the new state starts at step 0 from weights already "
+                  f"trained for {step} step(s), not from where that run began (a cell `state = rk.init(model, ...); "
+                  "rk.fit(...)` run a second time does this). Both states would train one module with two optimizers, "
+                  "so the older one is donated to this call and refuses further use")
+    warnings.warn(
+        f"rk.init: {given} is the {role} of another TrainState, still in use at step {step}{effect}. Fix: to continue "
+        "that run, keep using its latest state (`state, history = rk.fit(state, ...)`) instead of calling rk.init "
+        "again; for runs that each start from the same weights, rebuild the model (re-run "
+        "the cell that made it) and give rk.init a copy, `rk.init(copy.deepcopy(model), ...)`, so `model` itself is "
+        "never trained; to start a new phase from the trained weights on purpose, pass copy.deepcopy(state.actor)",
+        RuntimeWarning, stacklevel=3,
+    )
+    return list(owners.values())
 
 
 def _check_init_args(model, optimizer, tokenizer, ref, critic, critic_optimizer) -> None:
