@@ -22,6 +22,7 @@ truncated           (b)       bool   response hit max_new_tokens without a stop 
 policy_version      (b)       long   version of the weights that sampled the row
 temperature         (b)       f32    temperature the row's ``logprobs`` are at (1.0: greedy)
 logprobs_filtered   (b)       bool   ``logprobs`` are of a top-k/top-p filtered distribution
+rollout_row         (b)       long   which rollout call sampled the row, and which row of it
 ==================  ========  =====  =========================================================
 
 Non-tensor columns (``prompt_text``, ``response_text`` and any per-prompt data such as
@@ -67,6 +68,7 @@ FIELDS: dict[str, tuple[int, str]] = {
     "temperature": (1, "float"),
     "logprobs_filtered": (1, "bool"),
     "reward_baselines": (1, "float"),
+    "rollout_row": (1, "int"),
 }
 RESPONSE_ALIGNED = {k for k, (rank, _) in FIELDS.items() if rank == 2 and not k.startswith("prompt")}
 TEXT_FIELDS = ("prompt_text", "response_text")
@@ -74,6 +76,12 @@ TEXT_FIELDS = ("prompt_text", "response_text")
 #: apart from ``prompt_text`` (the printable JSON of it) so that whether a prompt was a conversation
 #: is a fact carried from the data, never guessed from text that looks like JSON
 PROMPT_MESSAGES = "prompt_messages"
+#: the per-row field of a row's identity, which ``rollout`` records: its rollout call's random key
+#: in the high bits, its row in that call (on its generation replica) in the low :data:`ROW_BITS`.
+#: ``group`` numbers prompts within one rollout only; :func:`rlkit.concat` reads this to tell rows
+#: of one rollout (whose split groups it rejoins) from rows of another (whose groups stay apart)
+ROLLOUT_ROW = "rollout_row"
+ROW_BITS = 24
 #: names a per-prompt data column cannot take: the batch's own fields, and the keywords
 #: ``rk.score`` passes TRL-style reward functions besides the columns (``trainer_state``,
 #: ``log_metric``, ``log_extra``; ``reward/<name>`` too)

@@ -10,13 +10,14 @@ impossible by construction.
 """
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Any, Sequence
 
 import torch
 
-from rlkit._checks import context_limit, is_int, output_vocab
-from rlkit.batch import PROMPT_MESSAGES, Batch, check_same_fields, row_tokens, set_column, shallow_copy
+from rlkit._checks import check_seed, context_limit, is_int, output_vocab
+from rlkit.batch import PROMPT_MESSAGES, ROLLOUT_ROW, ROW_BITS, Batch, check_same_fields, row_tokens, set_column, shallow_copy
 from rlkit.data import Prompts, as_prompts, check_padding
 from rlkit.engines.base import Engine, SamplingParams
 from rlkit.state import TrainState, fold_in, generator
@@ -157,9 +158,8 @@ def rollout(
         stop_token_ids = stop_token_ids.reshape(-1).tolist()
     elif is_int(stop_token_ids):  # one id (tokenizer.eos_token_id): tuple() of it was a TypeError
         stop_token_ids = (stop_token_ids,)
-    if seed is not None and not (is_int(seed) and 0 <= seed < 2**63):
-        # 1.5 was truncated to 1, 2**64 overflowed inside the generator
-        raise ValueError(f"rollout: seed must be an int in [0, 2**63) or None (from state.seed and state.step), got {seed!r}")
+    if seed is not None:
+        check_seed(seed, "rollout", " or None (from state.seed and state.step)")
     max_pos = context_limit(state.actor)
     longest = max(len(p) for p in prompts.ids)
     if max_pos is not None and longest + max_new_tokens > max_pos:
@@ -235,6 +235,9 @@ def _sample_share(state: TrainState, eng: Engine, prompts: Prompts, params: Samp
     with torch.profiler.record_function("rlkit.rollout.batch"):
         batch = batch_from_generation(prompts, out, state.tokenizer, policy_version=state.policy_version, decode=decode,
                                       filtered=is_filtered(params, output_vocab(state.actor)), temperature=params.temperature)
+        # before the gather: each replica numbers its own rows under its own key, and every rank
+        # then holds the same gathered ids
+        batch.set(ROLLOUT_ROW, new_rollout_rows(batch.batch_size[0]))
     if dp is not None and dp.size > 1:
         from rlkit.parallel.placement import gather_rows
 
@@ -383,8 +386,86 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
     return dict(value) if isinstance(value, dict) else {}
 
 
+def new_rollout_rows(rows: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``(rows)`` fresh :data:`ROLLOUT_ROW` ids for one rollout's rows: one new rollout key in the
+    high bits, the row number ``0 .. rows - 1`` in the low :data:`ROW_BITS`.
+
+    The key is drawn from the operating system (``secrets``), not from torch's or Python's seeded
+    generators: recording it moves no RNG, so sampling stays what the seed makes it. It is random
+    rather than a counter so that rollouts of other processes (generation replicas, a pickled
+    batch) do not share keys; 39 bits make two of a handful of concatenated rollouts collide with
+    odds of about 1e-11."""
+    if rows >= 1 << ROW_BITS:
+        raise ValueError(f"{rows} rows exceed the {1 << ROW_BITS} that {ROLLOUT_ROW!r} ids number in one rollout; "
+                         "sample (or concatenate) fewer rows at a time")
+    key = secrets.randbits(63 - ROW_BITS)
+    return torch.arange(rows, dtype=torch.long, device=device) + (key << ROW_BITS)
+
+
+def _pad_width(value: torch.Tensor, width: int, left: bool) -> torch.Tensor:
+    """``value (b w)`` padded with 0 (False) to ``(b width)``, on the left or on the right.
+
+    ``F.pad`` makes the padding on ``value``'s device: ``torch.full``/``torch.zeros`` without
+    ``device=`` made it on the CPU, and ``torch.cat`` refused a CUDA part of another width."""
+    extra = width - value.shape[1]
+    if not extra:
+        return value
+    return torch.nn.functional.pad(value, [extra, 0] if left else [0, extra], value=0)
+
+
+def _rejoined_groups(parts: Sequence[Batch]) -> list[torch.Tensor] | None:
+    """The ``group`` of each part in :func:`concat`'s result, or None where the parts are rows of
+    one rollout, whose groups (and :data:`ROLLOUT_ROW` ids) stay as they are.
+
+    A row's group is identified by its source and its ``group``: the source is its rollout (the key
+    in its ``rollout_row``), or the part itself where the part has no ``rollout_row`` (a hand-made
+    batch: each part its own source, as concat always did). A part holding rows an earlier part
+    already holds (``concat([a, a])``) is another copy, a source of its own: its groups are repeats
+    to train on again, not extra samples of the same prompts (merged, GRPO's std and RLOO's
+    leave-one-out baseline would count each response twice). Labels are ``0 .. G-1`` ordered by
+    source (in order of first appearance, never by the random keys) then by ``group``: parts of
+    different rollouts get the consecutive blocks concat always gave them."""
+    copies: list[torch.Tensor] = []  # the rollout_row ids of each copy
+    sources: dict[tuple, int] = {}
+    pairs = []
+    for i, part in enumerate(parts):
+        rows = part.batch_size[0]
+        group = part["group"].cpu()
+        if ROLLOUT_ROW not in part.keys():
+            source = torch.full((rows,), sources.setdefault(("part", i), len(sources)), dtype=torch.long)
+        else:
+            ids = part[ROLLOUT_ROW].cpu()
+            copy = 0  # the first copy none of whose rows this part repeats
+            while copy < len(copies) and torch.isin(ids, copies[copy]).any():
+                copy += 1
+            if copy == len(copies):
+                copies.append(ids)
+            else:
+                copies[copy] = torch.cat([copies[copy], ids])
+            keys = (ids >> ROW_BITS).tolist()
+            number = {key: sources.setdefault((copy, key), len(sources)) for key in dict.fromkeys(keys)}
+            source = torch.tensor([number[key] for key in keys], dtype=torch.long)
+        pairs.append(torch.stack([source, group.long()], 1))
+    if len(sources) == 1 and all(ROLLOUT_ROW in part.keys() for part in parts):
+        return None
+    _, labels = torch.unique(torch.cat(pairs), dim=0, return_inverse=True)
+    return list(labels.split([part.batch_size[0] for part in parts]))
+
+
 def concat(batches: Sequence[Batch]) -> Batch:
-    """Concatenate batches, renumbering ``group`` ids so groups from different calls never merge.
+    """Concatenate batches: rows of one rollout keep their groups, rows of different ones never merge.
+
+    Rows sampled by :func:`rollout` carry :data:`ROLLOUT_ROW` (which rollout call, and which row
+    of it), which indexing and :func:`rlkit.batch.split` keep. Parts that are rows of one rollout
+    (``concat(split(batch, 2))``, slices or shuffles of it) come back with their ``group`` and
+    ``rollout_row`` unchanged, so a group cut between parts is whole again: renumbering each
+    part's groups apart cut a group of 4 into two of 2, and GRPO normalised each half (+-0.707),
+    silently when the halves were equal. Parts of different rollouts (DAPO's dynamic sampling
+    concatenates several of one step's prompts), of batches without ``rollout_row`` (hand-made,
+    each part on its own) and repeated rows (``concat([a, a])``: a second copy) get distinct
+    ``group`` ids, ``0 .. G-1`` in part order, and the result new ``rollout_row`` ids: it is a
+    batch of its own, whose parts :func:`concat` rejoins in turn. Batches none of which has
+    ``rollout_row`` concatenate as before: each part's groups renumbered after the last part's.
 
     A part without ``prompt_messages`` (its prompts were all text) gets it, None on every row,
     where another part has it: rows of a text prompt set and of a chat one concatenate."""
@@ -409,21 +490,22 @@ def concat(batches: Sequence[Batch]) -> Batch:
         for k in list(b.keys()):
             v = b.get(k)
             if isinstance(v, torch.Tensor) and v.dim() == 2:
-                if k.startswith("prompt"):
-                    extra = widths_p - v.shape[1]
-                    if extra:
-                        fill = 0
-                        b.set(k, torch.cat([torch.full((v.shape[0], extra), fill, dtype=v.dtype), v], 1))
-                else:
-                    extra = widths_t - v.shape[1]
-                    if extra:
-                        b.set(k, torch.cat([v, torch.zeros((v.shape[0], extra), dtype=v.dtype)], 1))
-        g = b["group"]
-        _, inverse = torch.unique(g, return_inverse=True)
-        b.set("group", inverse + offset)
-        offset += int(inverse.max()) + 1 if len(inverse) else 0
+                prompt = k.startswith("prompt")  # prompts are left-padded, responses right-padded
+                b.set(k, _pad_width(v, widths_p if prompt else widths_t, left=prompt))
         if "rollout_metrics" in b.keys():
             del b["rollout_metrics"]
         parts.append(b)
+    if any(ROLLOUT_ROW in b.keys() for b in parts):
+        groups = _rejoined_groups(parts)
+        if groups is not None:  # not rows of one rollout: a batch of its own
+            ids = new_rollout_rows(sum(b.batch_size[0] for b in parts))
+            for b, group, part_ids in zip(parts, groups, ids.split([b.batch_size[0] for b in parts])):
+                b.set("group", group.to(b["group"].device))
+                b.set(ROLLOUT_ROW, part_ids.to(b["group"].device))
+    else:  # no rollout identity: each part's groups apart, as concat always numbered them
+        for b in parts:
+            _, inverse = torch.unique(b["group"], return_inverse=True)
+            b.set("group", inverse + offset)
+            offset += int(inverse.max()) + 1 if len(inverse) else 0
     check_same_fields(parts, "concat")
     return torch.cat(parts)
