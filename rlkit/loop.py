@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from rlkit._checks import int_at_least
 from rlkit.data import PromptSet, load_prompts, prompt_fingerprint
-from rlkit.observe.sinks import as_sinks, broadcast, rewind_all
+from rlkit.observe.sinks import as_sinks, broadcast, end_all, rewind_all
 
 #: ``state.extras`` key of the batch size that ``state.data_position`` counts batches of
 BATCH_SIZE_KEY = "fit/batch_size"
@@ -58,9 +58,12 @@ def fit(
     ``rk.recipes.get``); ``sinks`` one sink or several. A state past step 0 (a resumed run) first
     calls ``sink.rewind(state.step)`` on the sinks that have it: :class:`rlkit.observe.JSONLSink`
     and the in-memory sinks drop what they logged for later steps, which this run redoes, so a
-    metrics file has each step once, in order. On several processes only rank 0 calls the sinks
-    (the metrics are the run's, the same on every rank), so a script may build its sinks on every
-    rank: a sink with ``all_ranks = True`` is called on every rank.
+    metrics file has each step once, in order. When the run stops (finished, or stopped by an
+    exception, which still leaves ``fit`` as it was) ``sink.on_end(step)`` is called on the sinks
+    that have it, with the last step done: the notebook dashboard draws the last step then, which
+    its ``every`` may skip. On several processes only rank 0 calls the sinks (the metrics are the
+    run's, the same on every rank), so a script may build its sinks on every rank: a sink with
+    ``all_ranks = True`` is called on every rank.
 
     Each step's metrics get ``time/step_s`` and ``time/elapsed_s``, the run's training wall time:
     it goes on from ``state.extras["fit/elapsed_s"]`` (kept in checkpoints), so a second ``fit``
@@ -106,6 +109,7 @@ def fit(
     t_start = time.perf_counter()
     elapsed_before = _elapsed_before(state)
     given = state  # the handle passed in (donated to the first update)
+    first_step, ended = state.step, False  # ended: the sinks were told the run ended (once: not again when that raised)
     try:
         # the checkpointer's SIGTERM handler (save at the next step boundary) only while the loop runs
         with getattr(checkpointer, "armed", contextlib.nullcontext)():
@@ -138,18 +142,33 @@ def fit(
                     checkpointer.maybe_save(state)
             if history and checkpointer is not None and callable(getattr(checkpointer, "save_final", None)):
                 checkpointer.save_final(state)
+        ended = True
+        end_all(sinks, state.step)
     except BaseException as exc:  # noqa: BLE001 - re-raised; only annotated
         if isinstance(exc, StepReturnError) and exc.returned_state is not None:
             state = exc.returned_state  # the step's update donated the state passed in: this is the latest one
         elif _is_live_state(getattr(exc, "state", None)):
             state = exc.state  # an update that finished, then failed (NonFiniteError, a warning as error): its new state
         _attach_progress(exc, state, history)
+        if not ended:
+            # a state mid-update (donated) is not readable: the last step done is the last one logged
+            _end_sinks_after(exc, sinks, state.step if _is_live_state(state) else first_step + len(history))
         if _is_live_state(state):
             from rlkit.state import record_stop
 
             record_stop(given, state, exc)  # the cell run again with the donated handle points here
         raise
     return state, history
+
+
+def _end_sinks_after(exc: BaseException, sinks: list, step: int) -> None:
+    """``on_end(step)`` on the sinks of a run that ``exc`` stopped (the dashboard draws the step it
+    stopped at); a sink failing there is a note on ``exc``, which stays the error the caller sees."""
+    try:
+        end_all(sinks, step)
+    except BaseException as e:  # noqa: BLE001 - never mask the run's own exception
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"rk.fit: a sink's on_end raised {type(e).__name__}: {e} (ignored: the run had already stopped)")
 
 
 def _warn_unlowered(state) -> None:

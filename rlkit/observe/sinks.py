@@ -5,7 +5,10 @@ A sink is any object with ``on_step(step: int, metrics: dict)`` and optionally `
 (a resumed run), and a sink that keeps what it logged drops the rows of later steps, which the run
 is about to log again (a run killed after step 3 and resumed from its step-2 checkpoint logged step
 3 twice). Only the latest run's rows go: an earlier run logged to the same sink (its steps start
-over) keeps all of its rows.
+over) keeps all of its rows. A sink may also have ``on_end(step: int)``: ``rk.fit`` calls it once
+the run stops (finished, or stopped by an exception, which still leaves ``fit``), with the last
+step done: a sink that shows the run only at some steps (the notebook dashboard, every ``every``
+steps) draws its last one then, which no ``on_step`` says is the last.
 
 The step is the ``step`` argument: a metric named ``"step"`` is not
 logged as a metric, and never replaces it.
@@ -374,6 +377,24 @@ def rewind_all(sinks: Iterable[Any], step: int) -> None:
         rewind = getattr(sink, "rewind", None)
         if callable(rewind):
             rewind(step)
+
+
+def end_all(sinks: Iterable[Any], step: int) -> None:
+    """``sink.on_end(step)`` on the sinks that have it (see the module docstring), then the first
+    exception one raised, as :func:`broadcast` does: a failing sink does not keep the run's end from
+    the others."""
+    first: BaseException | None = None
+    for sink in sinks:
+        on_end = getattr(sink, "on_end", None)
+        if not callable(on_end):
+            continue
+        try:
+            on_end(step)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the other sinks
+            if first is None:
+                first = exc
+    if first is not None:
+        raise first
 
 
 def close_all(sinks: Iterable[Any]) -> None:
