@@ -191,6 +191,7 @@ class _Feed:
         self.sinks = sinks
         self.on_metrics = on_metrics
         self.error: tuple[str, Any, BaseException] | None = None
+        self.last_step: int | None = None  # the last step fed: the run's end, for the sinks' on_end
 
     def _failed(self, what: str, step: Any, exc: BaseException) -> None:
         if self.error is None:
@@ -206,6 +207,7 @@ class _Feed:
         step = record.pop("step", None)
         if step is None:
             return
+        self.last_step = step
         metrics = {k: _NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()}
         for sink in self.sinks:
             try:
@@ -282,7 +284,7 @@ def launch_fit(target, args: tuple, kwargs: dict, launch_options: dict):
     from rlkit import checkpoint
     from rlkit.launch import WorkerError, launch
     from rlkit.models.compile import is_compiled
-    from rlkit.observe.sinks import as_sinks, rewind_all
+    from rlkit.observe.sinks import as_sinks, end_after_error, end_all, rewind_all
 
     pipeline, options, state, prompts, steps, batch_size, fit_kwargs = _checked(target, args, kwargs, launch_options)
     sinks = as_sinks(fit_kwargs.pop("sinks", None), "launch")
@@ -317,17 +319,22 @@ def launch_fit(target, args: tuple, kwargs: dict, launch_options: dict):
     try:
         history = launch(_fit_worker, pipeline, options, state_file, prompts, steps, batch_size, fit_kwargs, result_dir,
                          on_accelerator, compiled, on_metrics=feed, run_dir=run_dir, **launch_options)
-    except WorkerError as e:
-        if hasattr(e, "add_note"):  # Python 3.11+
+    except BaseException as e:
+        if isinstance(e, WorkerError) and hasattr(e, "add_note"):  # Python 3.11+
             e.add_note("rk.launch(plan, ...): the state passed in is unchanged (the workers trained copies of it); a state "
                        "the worker's traceback mentions (exc.state) lived in that worker. To keep a failed run's progress, "
                        "pass checkpointer=rk.Checkpointer(folder) and resume from that folder")
+        end_after_error(e, sinks, feed.last_step if feed.last_step is not None else state.step, "rk.launch")
         raise
     finally:
         if bar is not None:
             bar.close()
         if os.path.exists(state_file):  # a copy of the caller's state: as large as the models and optimizer
             os.remove(state_file)
+    try:
+        end_all(sinks, feed.last_step if feed.last_step is not None else state.step)  # as fit: the dashboard draws the last step
+    except Exception as e:  # noqa: BLE001 - as a sink's on_step: raised below, with the trained state
+        feed._failed("a sink's on_end", feed.last_step, e)
     trained = checkpoint.latest(result_dir)
     if trained is None:
         raise RuntimeError(f"launch: the workers finished but left no trained state in {result_dir}")

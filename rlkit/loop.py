@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from rlkit._checks import int_at_least
 from rlkit.data import PromptSet, load_prompts, prompt_fingerprint
-from rlkit.observe.sinks import as_sinks, broadcast, end_all, rewind_all
+from rlkit.observe.sinks import as_sinks, broadcast, end_after_error, end_all, rewind_all
 
 #: ``state.extras`` key of the batch size that ``state.data_position`` counts batches of
 BATCH_SIZE_KEY = "fit/batch_size"
@@ -152,23 +152,13 @@ def fit(
         _attach_progress(exc, state, history)
         if not ended:
             # a state mid-update (donated) is not readable: the last step done is the last one logged
-            _end_sinks_after(exc, sinks, state.step if _is_live_state(state) else first_step + len(history))
+            end_after_error(exc, sinks, state.step if _is_live_state(state) else first_step + len(history), "rk.fit")
         if _is_live_state(state):
             from rlkit.state import record_stop
 
             record_stop(given, state, exc)  # the cell run again with the donated handle points here
         raise
     return state, history
-
-
-def _end_sinks_after(exc: BaseException, sinks: list, step: int) -> None:
-    """``on_end(step)`` on the sinks of a run that ``exc`` stopped (the dashboard draws the step it
-    stopped at); a sink failing there is a note on ``exc``, which stays the error the caller sees."""
-    try:
-        end_all(sinks, step)
-    except BaseException as e:  # noqa: BLE001 - never mask the run's own exception
-        if hasattr(exc, "add_note"):
-            exc.add_note(f"rk.fit: a sink's on_end raised {type(e).__name__}: {e} (ignored: the run had already stopped)")
 
 
 def _warn_unlowered(state) -> None:

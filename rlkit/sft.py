@@ -15,7 +15,7 @@ import torch
 from rlkit._checks import check_context, int_at_least, model_of, tokenizer_of
 from rlkit.batch import make_batch
 from rlkit.models.tokenizers import check_known_characters, encode_prompt
-from rlkit.observe.sinks import CallbackSink, as_sinks, broadcast
+from rlkit.observe.sinks import CallbackSink, as_sinks, broadcast, end_after_error, end_all
 from rlkit.optim import adamw
 
 
@@ -128,8 +128,12 @@ def warmup(
             metrics = {"sft/loss": float(loss.detach()), "sft/lr": lr_used}
             history.append(metrics)
             broadcast(sinks, step + 1, metrics)
+    except BaseException as exc:
+        end_after_error(exc, sinks, len(history), "warmup")  # the dashboard draws the step it stopped at
+        raise
     finally:
         model.train(was_training)  # as evaluate does: the caller's mode, whatever happened
+    end_all(sinks, steps)  # a dashboard draws the last step, which its `every` may skip
     return history
 
 

@@ -260,3 +260,34 @@ def test_non_finite_values_are_marked_at_the_panels_edge_and_counted_in_its_titl
     only.on_step(2, {"diverged": inf})
     (ax,) = only.plot().axes
     assert marks(ax) == [(1.0, 1.0), (2.0, 1.0)] and "1 inf, 1 nan" in ax.get_title()
+
+
+def test_the_sft_warmup_tells_its_sinks_it_ended_at_its_last_step():
+    task = rk.tasks.arithmetic(digits=1, n_train=20, n_test=2)
+    model = rk.models.tiny(task.tokenizer, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                           num_key_value_heads=1, num_hidden_layers=1)
+
+    class Ends:
+        def __init__(self):
+            self.steps, self.ends = [], []
+
+        def on_step(self, step, metrics):
+            self.steps.append(step)
+
+        def on_end(self, step):
+            self.ends.append(step)
+
+    sink = Ends()
+    rk.sft.warmup(model, task.tokenizer, task.sft_examples, steps=3, batch_size=2, sinks=[sink])
+    assert sink.steps == [1, 2, 3] and sink.ends == [3]
+
+    class Stop(Ends):
+        def on_step(self, step, metrics):
+            super().on_step(step, metrics)
+            if step == 2:
+                raise KeyboardInterrupt
+
+    stopped = Stop()
+    with pytest.raises(KeyboardInterrupt):
+        rk.sft.warmup(model, task.tokenizer, task.sft_examples, steps=5, batch_size=2, sinks=[stopped])
+    assert stopped.ends == [2]  # the step it stopped at, for the dashboard to draw

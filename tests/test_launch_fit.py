@@ -80,9 +80,11 @@ NOTEBOOK = textwrap.dedent(
 
     class Keep:
         def __init__(self):
-            self.rows = []
+            self.rows, self.ends = [], []
         def on_step(self, step, metrics):
             self.rows.append([step, dict(metrics)])
+        def on_end(self, step):                       # as fit, the launch tells the sinks the run ended
+            self.ends.append(step)
 
     if __name__ == "__main__":
         out = {}
@@ -108,6 +110,7 @@ NOTEBOOK = textwrap.dedent(
             out["stale"] = str(e)
         out["one_history"] = plain(hb)
         out["one_sink"] = [[step, plain([m])[0]] for step, m in keep.rows]
+        out["one_ends"] = keep.ends
         b, _ = plan.fit(b, task.train, steps=3, batch_size=4)
         out["one3"] = tensors(b)
 
@@ -146,13 +149,15 @@ NOTEBOOK = textwrap.dedent(
             raise ValueError("the reward broke")
         kept = fresh()
         before = tensors(kept)["params"]
+        keep3 = Keep()
         try:
             rk.launch(rk.Pipeline(recipe, reward=broken), kept, task.train, steps=1, batch_size=4, nproc_per_node=1,
-                      echo_logs=False)
+                      echo_logs=False, sinks=keep3)
             out["error"] = None
         except WorkerError as e:
             out["error"], out["error_notes"] = str(e), "\\n".join(getattr(e, "__notes__", []))
         out["kept_same"] = tensors(kept)["params"] == before
+        out["error_ends"] = keep3.ends
         print("RESULT " + json.dumps(out))
     '''
 )
@@ -221,6 +226,13 @@ def test_a_split_placement_launch_trains_what_one_process_trains(runs):
 def test_the_callers_sinks_get_every_step_as_the_workers_log_it(runs):
     assert [step for step, _ in runs["one_sink"]] == [1, 2]
     assert [metrics for _, metrics in runs["one_sink"]] == runs["one_history"]
+
+
+def test_the_callers_sinks_are_told_the_run_ended_with_its_last_step(runs):
+    # a notebook dashboard draws the last step then, which its `every` may skip; a failed launch
+    # that logged no step ends at the state's own step
+    assert runs["one_ends"] == [2]
+    assert runs["error_ends"] == [0]
 
 
 def test_a_launch_without_sinks_shows_a_progress_bar_not_a_line_of_metrics_per_step(runs):

@@ -397,6 +397,16 @@ def end_all(sinks: Iterable[Any], step: int) -> None:
         raise first
 
 
+def end_after_error(exc: BaseException, sinks: Iterable[Any], step: int, who: str) -> None:
+    """:func:`end_all` for a run that ``exc`` stopped (the dashboard draws the step it stopped at):
+    a sink failing there is a note on ``exc``, which stays the error the caller sees."""
+    try:
+        end_all(sinks, step)
+    except BaseException as e:  # noqa: BLE001 - never mask the run's own exception
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"{who}: a sink's on_end raised {type(e).__name__}: {e} (ignored: the run had already stopped)")
+
+
 def close_all(sinks: Iterable[Any]) -> None:
     for sink in sinks:
         close = getattr(sink, "close", None)
