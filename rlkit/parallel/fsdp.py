@@ -236,18 +236,23 @@ def global_sum(value: torch.Tensor | float | int, mesh: DeviceMesh | None = None
     Use it for loss normalisers (token or sequence counts) so every rank divides by the same
     global count. ``mesh=None`` means the default group; without torch.distributed it returns
     ``value`` as a tensor.
+
+    Floating-point inputs keep their dtype. Bool and integer inputs come back as int64 counts, with
+    or without torch.distributed: the sum is taken in int64, and casting it back to the input's
+    dtype turned a count of flags (``[True, False, True]`` on 2 ranks) into ``[True, False, True]``
+    instead of ``[2, 0, 2]``, and wrapped int8/int16/int32 sums that overflow them.
     """
     tensor = torch.as_tensor(value).detach().clone()
+    out_dtype = tensor.dtype if tensor.is_floating_point() or tensor.is_complex() else torch.int64
     if not dist.is_initialized():
-        return tensor
+        return tensor.to(out_dtype)
     group = mesh.get_group() if mesh is not None else None
     comm = tensor
     if dist.get_backend(group) == "nccl" and tensor.device.type != "cuda":
         comm = tensor.to(torch.device("cuda", torch.cuda.current_device()))
-    if not comm.is_floating_point() and comm.dtype != torch.int64:
-        comm = comm.to(torch.int64)
+    comm = comm.to(out_dtype)
     dist.all_reduce(comm, op=dist.ReduceOp.SUM, group=group)
-    return comm.to(device=tensor.device, dtype=tensor.dtype)
+    return comm.to(device=tensor.device, dtype=out_dtype)
 
 
 @contextlib.contextmanager
@@ -284,9 +289,102 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
 
     ``from_rank0=True``: only rank 0 needs the tensors (others may pass ``{}``); they are
     broadcast. Collective. ``state_dict`` itself is left as it was (its entries are not replaced).
+
+    The names and shapes of ``state_dict`` are checked against the model's full (unsharded)
+    parameters and buffers before any tensor moves, and every rank raises the same ``ValueError``
+    naming what differs. torch's own load reported a wrong shape on the other ranks only, as a
+    broadcast error naming no parameter, while rank 0 waited in a send until the group timed out;
+    and an unexpected key raised on rank 0 while the other ranks loaded, so the ranks disagreed
+    about whether the load happened.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    _check_full_state_dict(model, state_dict, from_rank0=from_rank0)
     # a shallow copy: torch writes the loaded entries (this rank's DTensor shards) into the dict it
     # is given, and the caller's full state dict (a notebook's "best weights") became shards
     set_model_state_dict(model, dict(state_dict), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0))
+
+
+#: at most this many names per kind of mismatch in load_full_state_dict's error
+_MISMATCH_SHOWN = 8
+
+
+def _model_state_shapes(model: nn.Module) -> dict[str, tuple[int, ...] | None]:
+    """``{name: full shape}`` of what :func:`load_full_state_dict` expects (``None`` for a non-tensor
+    entry such as extra state). The names are torch.distributed.checkpoint's (wrapper prefixes such
+    as ``_orig_mod.`` removed), as :func:`full_state_dict` writes them; a sharded parameter is a
+    DTensor, whose ``shape`` is the full one. No communication: the sharded state dict is local."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False, cpu_offload=False))
+    return {k: tuple(v.shape) if torch.is_tensor(v) else None for k, v in local.items()}
+
+
+def _state_dict_mismatch(model: nn.Module, state_dict: dict) -> str | None:
+    """What differs between ``state_dict`` and ``model`` (names, and shapes of the tensors both have),
+    as the body of an error message; ``None`` when they match."""
+    expected = _model_state_shapes(model)
+    names = [k for k in state_dict if isinstance(k, str)]
+    if len(names) != len(state_dict):
+        # keys that are submodules (torch's nested form): torch flattens them itself; check nothing
+        return None
+
+    def listed(items: list[str]) -> str:
+        more = f", and {len(items) - _MISMATCH_SHOWN} more" if len(items) > _MISMATCH_SHOWN else ""
+        return ", ".join(items[:_MISMATCH_SHOWN]) + more
+
+    def shape(t) -> str:
+        return str(tuple(t.shape)) if torch.is_tensor(t) else type(t).__name__
+
+    wrong = [
+        f"{k!r}: {shape(state_dict[k])} in the state dict, {expected[k]} in the model"
+        for k in names
+        if k in expected and expected[k] is not None and (not torch.is_tensor(state_dict[k]) or tuple(state_dict[k].shape) != expected[k])
+    ]
+    unexpected = [repr(k) for k in names if k not in expected]
+    missing = [repr(k) for k in expected if k not in state_dict]
+    parts = []
+    if wrong:
+        parts.append(f"another shape: {listed(wrong)}")
+    if unexpected:
+        parts.append(f"not in the model: {listed(unexpected)}")
+    if missing:
+        parts.append(f"missing from the state dict: {listed(missing)}")
+    return "; ".join(parts) or None
+
+
+def _check_full_state_dict(model: nn.Module, state_dict: dict, *, from_rank0: bool) -> None:
+    """Raise the same ``ValueError`` on every rank when the state dict that would be loaded does not
+    match ``model``. ``from_rank0``: rank 0 checks its dict and broadcasts the verdict (the other
+    ranks' dicts are not read); otherwise every rank checks its own and the verdicts are gathered.
+    Uses the default group, as torch's broadcast of the tensors does. One small object collective."""
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    mine = None
+    if rank == 0 or not from_rank0:
+        try:
+            mine = _state_dict_mismatch(model, state_dict)
+        except Exception as e:  # noqa: BLE001 - a check that raised on one rank only would leave the others waiting
+            mine = f"it could not be compared ({type(e).__name__}: {e})"
+    if not distributed:
+        verdicts = [mine]
+    elif from_rank0:
+        verdicts = [mine]
+        dist.broadcast_object_list(verdicts, src=0)
+    else:
+        verdicts = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, mine)
+    bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+    if not bad:
+        return
+    src, problem = bad[0]
+    # FSDP2 makes the model an instance of a generated FSDP<name> subclass: name the user's class
+    cls = next((c for c in type(model).__mro__ if not issubclass(c, FSDPModule)), type(model))
+    whose = "rank 0's state dict" if from_rank0 else f"the state dict of rank {src}" + (
+        f" (and of rank(s) {[r for r, _ in bad[1:]]})" if len(bad) > 1 else "")
+    raise ValueError(
+        f"load_full_state_dict: {whose} does not match {cls.__name__}'s parameters and buffers: "
+        f"{problem}. Nothing was loaded. Load a state dict saved from a model of this architecture and "
+        "config (full_state_dict(model) writes the names and full shapes expected), or rename, reshape or "
+        "drop those entries first"
+    )
