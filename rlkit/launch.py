@@ -26,7 +26,9 @@ echoed to the caller too, prefixed with the local rank. A worker's exception com
 :class:`WorkerError` carrying the worker's traceback text (kept in ``<run_dir>/errors/rank<R>.txt``
 too), which torch elastic's own log of the failure no longer prints a second time on the caller's
 stderr (it still does with ``max_restarts > 0``, where a recovered failure raises nothing). When ``fn`` returns with a process
-group still initialised, the trampoline runs a barrier and destroys it.
+group still initialised, the trampoline runs a barrier and destroys it; a rank that waited
+:data:`TEARDOWN_WAIT_S` there for a rank still in ``fn`` calls the barrier off instead (see
+:func:`_teardown_process_group`), so a collective only some ranks call fails, not hangs.
 
 From the shell: ``rlkit launch --nproc-per-node N [--nnodes M --rdzv-endpoint HOST:PORT] script.py
 args...`` is torchrun (``torch.distributed.run``) with two defaults: ``--standalone`` for a
@@ -112,22 +114,26 @@ class WorkerError(RuntimeError):
 # worker side
 
 
-def _jsonable(value: Any) -> Any:
+def _jsonable(value: Any, strict: bool = True) -> Any:
+    """``value`` as plain JSON values: tensors and numpy scalars become numbers or lists, anything
+    else unknown its ``str()``. ``strict``: a non-finite float becomes its text (``"nan"``), which
+    strict JSON readers accept; without it, it stays a float, which Python's ``json`` writes as
+    ``NaN`` / ``Infinity`` and reads back as the same float (what :func:`emit` uses: see there)."""
     if isinstance(value, (str, bool)) or value is None:
         return value
     if isinstance(value, numbers.Integral):
         return int(value)
     if isinstance(value, numbers.Real):
         value = float(value)
-        return value if math.isfinite(value) else str(value)
+        return value if math.isfinite(value) or not strict else str(value)
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): _jsonable(v, strict) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [_jsonable(v, strict) for v in value]
     if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:  # torch / numpy scalars
-        return _jsonable(value.item())
+        return _jsonable(value.item(), strict)
     if hasattr(value, "tolist"):
-        return _jsonable(value.tolist())
+        return _jsonable(value.tolist(), strict)
     return str(value)
 
 
@@ -137,12 +143,17 @@ def emit(metrics: dict, **more: Any) -> None:
     Inside a :func:`launch` worker it appends one JSON line to this rank's metrics file, which the
     caller streams to ``on_metrics``. Outside a launch it does nothing, so the same training
     function runs unchanged in a plain notebook cell.
+
+    A NaN or infinite number reaches ``on_metrics`` as that float: the line is Python's JSON
+    (``NaN``, ``Infinity``), read back only by the caller's ``json.loads``. It used to be written as
+    the string ``"nan"`` for strict JSON, so a diverged loss reached ``on_metrics`` as text (and
+    ``f"{loss:.3f}"`` failed there), indistinguishable from a text metric that reads "nan".
     """
     run_dir = os.environ.get(RUN_DIR_ENV)
     if not run_dir:
         return
     rank = int(os.environ.get("RANK", "0"))
-    record = _jsonable({**metrics, **more})
+    record = _jsonable({**metrics, **more}, strict=False)
     path = os.path.join(run_dir, "metrics", f"rank{rank}.jsonl")
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
@@ -177,9 +188,12 @@ def _on_sigint(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _worker(payload: bytes, run_dir: str) -> tuple[int, bytes]:
+def _worker(payload: bytes, run_dir: str) -> tuple[int, bytes | None]:
     """Trampoline run in every worker: unpickle ``(fn, args, kwargs)`` and the caller's own registry
-    entries (:func:`_user_registrations`), register those, run ``fn``, report."""
+    entries (:func:`_user_registrations`), register those, run ``fn``, report: ``(rank, pickled
+    result)`` on global rank 0, ``(rank, None)`` elsewhere (launch returns rank 0's value only; every
+    rank used to pickle its own, so a value no rank could pickle was blamed on whichever rank
+    torch elastic saw fail first, with no traceback at all)."""
     _own_session()  # first: until then a signal to the caller's group reaches this process too
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _on_sigint)
@@ -197,7 +211,7 @@ def _worker(payload: bytes, run_dir: str) -> tuple[int, bytes]:
     # sys.exit): the caller's watchdog (_Tail.check_workers) tells from them a process that ended
     # without either, e.g. os._exit(0) inside fn, which torch elastic would wait on forever
     marker = os.path.join(run_dir, "workers", f"rank{rank}")
-    for stale in (".done", ".exit"):  # the markers of this rank's worker of an attempt before a restart
+    for stale in (".done", ".exit", ".left"):  # the markers of this rank's worker of an attempt before a restart
         if os.path.exists(marker + stale):
             os.remove(marker + stale)
     # and its error files: the second attempt's rank killed by SIGKILL was reported with the first
@@ -215,14 +229,20 @@ def _worker(payload: bytes, run_dir: str) -> tuple[int, bytes]:
             fn, args, kwargs, registrations = cloudpickle.loads(payload)
             _restore_registrations(registrations)
             result = fn(*args, **kwargs)
+            waiting = _teardown_process_group()
+            if waiting:
+                # the caller's watchdog and _worker_error name this rank as one that left its peers
+                _write_atomic(marker + ".left", " ".join(map(str, waiting)))
+            # in the try: a value that cannot be pickled is reported with its traceback, as fn's own
+            # error; it used to fail outside it, "exited with code 1 without a Python traceback"
+            pickled = _pickled_result(result) if rank == 0 else None
         except BaseException as exc:
             # the record first: a rank whose traceback file exists (what _worker_error picks the root
             # cause from) then always has it, even if torch elastic stops this process between the two
             _write_atomic(os.path.join(run_dir, "errors", f"rank{rank}.json"), _exception_record(exc))
             _write_atomic(os.path.join(run_dir, "errors", f"rank{rank}.txt"), traceback.format_exc())
             raise
-        _teardown_process_group()
-        return rank, cloudpickle.dumps(result)
+        return rank, pickled
     finally:
         os._exit = real_exit
         _write_atomic(marker + ".done", "")
@@ -329,13 +349,110 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _teardown_process_group() -> None:
+#: how :func:`_pickled_result`'s error begins (_worker_error makes it the WorkerError's first line)
+_UNPICKLABLE = "rank 0's return value cannot be pickled"
+
+
+def _pickled_result(result: Any) -> bytes:
+    """Rank 0's return value, pickled for the caller; a ``TypeError`` naming the problem and the
+    fix when cloudpickle cannot (a lock, a generator, an open file inside it)."""
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps(result)
+    except Exception as e:
+        raise TypeError(f"{_UNPICKLABLE}: {type(e).__name__}: {e}; return tensors/numbers/dicts "
+                        "of them, or save it to a file and return its path") from e
+
+
+#: seconds a rank that returned from ``fn`` waits at the closing barrier for the ranks still
+#: running before it leaves without it (:func:`_teardown_process_group`); ``RLKIT_TEARDOWN_WAIT_S``
+#: in the environment (the caller's, which the workers inherit) overrides it
+TEARDOWN_WAIT_S = 30.0
+TEARDOWN_WAIT_ENV = "RLKIT_TEARDOWN_WAIT_S"
+
+
+def _teardown_wait_s(strict: bool = True) -> float:
+    """:data:`TEARDOWN_WAIT_S`, or ``RLKIT_TEARDOWN_WAIT_S`` when set; for one that is not a number
+    >= 0, a ``ValueError`` naming the variable (launch checks it before any worker starts), or
+    with ``strict=False`` the default."""
+    text = os.environ.get(TEARDOWN_WAIT_ENV)
+    if text is None:
+        return TEARDOWN_WAIT_S
+    try:
+        wait = float(text)
+    except ValueError:
+        wait = math.nan
+    if not (wait >= 0 and math.isfinite(wait)):
+        if not strict:
+            return TEARDOWN_WAIT_S
+        raise ValueError(f"launch: {TEARDOWN_WAIT_ENV}={text!r} in the environment; give the seconds a rank that returned "
+                         f"from fn waits for the others at the closing barrier, a number >= 0 (default {TEARDOWN_WAIT_S:g}), "
+                         "or unset it")
+    return wait
+
+
+def _teardown_process_group() -> list[int]:
+    """Close the process group ``fn`` left open; the global ranks this rank left behind, still
+    inside ``fn`` (none when every rank reached this point in time).
+
+    When every rank returns from ``fn`` within :data:`TEARDOWN_WAIT_S` of the first, as usual: a
+    barrier, then the group is destroyed (:func:`rlkit.parallel.mesh.shutdown`). The barrier is a
+    collective, and a rank that returned while another still waited in a collective of its own
+    (``if rank == 0: dist.all_reduce(t)``, an ordinary bug) sat in it silently until the
+    collective timeout (30 minutes by default), and so did its peer. So the ranks first meet
+    through the process group's store, which no collective can block; once a rank has waited there
+    :data:`TEARDOWN_WAIT_S` in vain, the barrier is called off and each rank destroys its group on
+    its own: a peer blocked in a collective then fails at once with a connection error on gloo
+    (launch reports it, naming the ranks that left it), and a peer that was only busy alone
+    (evaluating, saving) finishes unharmed."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        from rlkit.parallel.mesh import shutdown
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    from rlkit.parallel.mesh import shutdown
 
+    missing = None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if dist.get_world_size() > 1:
+            # checked by launch; a bad value set inside fn gets the default
+            missing = _meet_at_teardown(store, dist.get_rank(), dist.get_world_size(), _teardown_wait_s(strict=False))
+    except Exception:  # noqa: BLE001 - a group whose store lacks add / compare_set: the plain barrier, as before
+        missing = None
+    if missing is None:
         shutdown()
+        return []
+    import gc
+
+    # shutdown() less its barrier: the garbage collections keep gloo from aborting at exit
+    gc.collect()
+    dist.destroy_process_group()
+    gc.collect()
+    return missing
+
+
+def _meet_at_teardown(store, rank: int, world: int, wait_s: float) -> list[int] | None:
+    """The ranks' meeting before the closing barrier, through ``store``: None when the barrier is to
+    be run (every rank arrived in time), else the ranks that had not arrived when it was called off
+    (maybe none, for a rank that arrives after that). Whichever comes first, "all arrived" (the
+    last rank to arrive) or "waited too long" (the first rank whose wait ran out), sets the
+    decision key (``compare_set`` sets it only once), so every rank takes the same road."""
+    prefix = f"rlkit/teardown/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    store.set(f"{prefix}rank{rank}", "1")
+    decided = prefix + "decided"
+    if store.add(prefix + "arrived", 1) >= world:
+        decision = store.compare_set(decided, "", "barrier")
+    else:
+        deadline = time.monotonic() + wait_s
+        pause = 0.01
+        while not store.check([decided]) and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+        decision = store.compare_set(decided, "", "leave")
+    if decision == b"barrier":
+        return None
+    return [r for r in range(world) if not store.check([f"{prefix}rank{r}"])] if world <= 1024 else []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,6 +477,7 @@ class _Tail(threading.Thread):
         self._checked = 0.0
         self._watch_enabled = watch
         self._gone_since: dict[int, float] = {}
+        self._left_warned = False
         if echo_logs:
             # a reused run_dir keeps earlier runs' logs (each run writes its own subfolder): follow
             # them from their end, or this run echoed every earlier run's output before its own
@@ -427,6 +545,39 @@ class _Tail(threading.Thread):
             handler = signal.getsignal(signal.SIGTERM)
             if callable(handler) and getattr(handler, "__module__", "").startswith("torch.distributed.elastic"):
                 os.kill(os.getpid(), signal.SIGTERM)
+        self._warn_left()
+
+    #: seconds after a rank left the closing barrier (:func:`_teardown_process_group`) with ranks
+    #: still running before the caller says so, once: a gloo peer blocked in a collective fails
+    #: within them, and launch then reports that instead
+    LEFT_WARN_AFTER_S = 5.0
+
+    def _warn_left(self) -> None:
+        """One warning on stderr when ranks returned from ``fn`` and left without the closing
+        barrier while others still run: harmless if those are busy alone, a hang until the
+        collective timeout if they wait in a collective the finished ranks never join (on NCCL,
+        which may not notice a peer that left; gloo fails at once, and launch reports that)."""
+        if self._left_warned:
+            return
+        paths = glob.glob(os.path.join(self.run_dir, "workers", "rank*.left"))
+        left = {int(re.search(r"rank(\d+)\.left$", p).group(1)): p for p in paths}
+        try:
+            since = min(os.path.getmtime(p) for p in left.values()) if left else None
+        except OSError:
+            return
+        if since is None or time.time() - since < self.LEFT_WARN_AFTER_S:
+            return
+        running = sorted(rank for rank in _started_ranks(self.run_dir)
+                         if rank not in left and not os.path.exists(os.path.join(self.run_dir, "workers", f"rank{rank}.done")))
+        if not running:
+            return
+        self._left_warned = True
+        wait = _teardown_wait_s(strict=False)
+        print(f"launch: warning: rank(s) {sorted(left)} returned from fn and waited {wait:g} s at the closing barrier for "
+              f"rank(s) {running}, still running; they left without it. If those ranks wait in a collective the finished "
+              "ranks never called (one called on some ranks only, e.g. under `if rank == 0:`), the job hangs until the "
+              "collective timeout (init_distributed(timeout=...); 30 min by default); if they are working alone (evaluating, "
+              f"saving), nothing is wrong. ({TEARDOWN_WAIT_ENV} sets the wait)", file=sys.stderr, flush=True)
 
     def poll(self) -> None:
         self._watch()
@@ -632,7 +783,10 @@ def launch(
     ``fn`` without an exception: ``os._exit(0)`` called from Python, within a second or so, with or
     without ``max_restarts``; any other silent end with status 0 (a library's C ``exit(0)``) a few
     seconds after, with ``max_restarts=0`` only (torch elastic alone would wait for a result
-    forever; with restarts, and such an end, it still does). Arguments of the wrong type or
+    forever; with restarts, and such an end, it still does). So is a rank left waiting in a
+    collective that the ranks which returned never called (``if rank == 0: dist.all_reduce(t)``), on
+    gloo, once they have waited ``RLKIT_TEARDOWN_WAIT_S`` (30 s) for it at the closing barrier
+    (:func:`_teardown_process_group`). Arguments of the wrong type or
     range raise ``ValueError`` naming them before any process starts.
 
     ``launch(plan, state, prompts, steps=..., batch_size=..., **options)`` with a lowered ``Plan``
@@ -659,6 +813,7 @@ def launch(
         raise TypeError(f"launch: fn must be a callable, got {type(fn).__name__}")
     _check_launch_args(nproc_per_node, nnodes, rdzv_endpoint, rdzv_backend, max_restarts, on_metrics, run_dir, run_id)
     min_nodes, max_nodes = _parse_nnodes(nnodes)
+    _teardown_wait_s()  # a bad RLKIT_TEARDOWN_WAIT_S: a ValueError here, before any worker starts
     if max_nodes > 1 and not rdzv_endpoint:
         raise ValueError(
             f"launch: nnodes={nnodes} needs rdzv_endpoint='HOST:PORT' (a reachable address of one of the machines, "
@@ -737,6 +892,26 @@ def launch(
     if 0 not in results:
         return None
     return cloudpickle.loads(results[0][1])
+
+
+def _started_ranks(run_dir: str) -> list[int]:
+    """Global ranks whose worker of the run has started ``fn`` (wrote its pid), on any machine that
+    shares ``run_dir``."""
+    paths = glob.glob(os.path.join(run_dir, "workers", "rank*.pid"))
+    return sorted(int(re.search(r"rank(\d+)\.pid$", p).group(1)) for p in paths)
+
+
+def _left_ranks(run_dir: str) -> dict[int, list[int]]:
+    """``rank -> the ranks it waited for`` of the ranks that returned from ``fn`` and left without
+    the closing barrier (the ``.left`` markers :func:`_worker` writes)."""
+    out = {}
+    for path in glob.glob(os.path.join(run_dir, "workers", "rank*.left")):
+        try:
+            with open(path, encoding="utf-8") as f:
+                out[int(re.search(r"rank(\d+)\.left$", path).group(1))] = [int(r) for r in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def _unfinished_workers(run_dir: str):
@@ -870,6 +1045,9 @@ def _worker_error(run_dir: str, error) -> WorkerError:
     collateral = sorted(r for r in written if r not in own)
     if own:  # a Python exception is the root cause; processes killed afterwards are collateral
         first = min(own, key=lambda r: (own[r], r))
+        lines = _exception_lines(failures[first])
+        if f"TypeError: {_UNPICKLABLE}" in lines:  # fn finished; its value cannot come back: say so first
+            return WorkerError(first, failures[first], failures, summary=lines[lines.index(_UNPICKLABLE):].splitlines()[0])
         return WorkerError(first, failures[first], failures)
     if silent:
         first = min(silent, key=lambda r: silent[r])
@@ -884,6 +1062,16 @@ def _worker_error(run_dir: str, error) -> WorkerError:
             also = f"; rank(s) {others} failed after it{lost}"
         return WorkerError(first, failures[first], failures, summary=f"worker rank {first} {how}{also}")
     first = min(collateral, key=lambda r: (written[r][0], r))
+    left = _left_ranks(run_dir)
+    if left and first not in left:
+        # the peers that left were waited for in vain at the closing barrier: this rank was in a
+        # collective they never called, and failed when they closed their connections
+        wait = _teardown_wait_s(strict=False)
+        summary = (f"worker rank {first} failed in a collective after rank(s) {sorted(left)} had returned from fn and "
+                   f"left (they waited {wait:g} s for it at the closing barrier): a collective that only "
+                   "some ranks call (e.g. under `if rank == 0:`) has no partner on the ranks that returned; the traceback "
+                   "below shows where it waited. Call it on every rank, or on none")
+        return WorkerError(first, failures[first], failures, summary=summary)
     return WorkerError(first, failures[first], failures)
 
 

@@ -34,7 +34,6 @@ checkpoint gathers without any rank holding the whole optimizer state twice.
 from __future__ import annotations
 
 import inspect
-import math
 import os
 from typing import Any
 
@@ -44,10 +43,6 @@ RESULT_DIR = "result"
 
 #: fit's keyword arguments that ``rk.launch(plan, ...)`` passes through to the workers (``lower=`` goes to Pipeline.lower)
 FIT_KEYWORDS = ("sinks", "eval_fn", "eval_every", "checkpointer", "shuffle")
-
-#: what ``emit`` wrote for values JSON has no number for (see ``rlkit.launch._jsonable``)
-_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-
 
 def lowering_options(plan) -> dict[str, Any]:
     """The keyword arguments of :meth:`rlkit.Pipeline.lower` that made ``plan`` (all but the placement)."""
@@ -208,7 +203,8 @@ class _Feed:
         if step is None:
             return
         self.last_step = step
-        metrics = {k: _NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()}
+        # emit writes NaN and infinities as numbers (Python's JSON), so a text metric "nan" stays text
+        metrics = record
         for sink in self.sinks:
             try:
                 sink.on_step(step, metrics)
