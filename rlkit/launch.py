@@ -420,16 +420,8 @@ def _teardown_process_group() -> list[int]:
             missing = _meet_at_teardown(store, dist.get_rank(), dist.get_world_size(), _teardown_wait_s(strict=False))
     except Exception:  # noqa: BLE001 - a group whose store lacks add / compare_set: the plain barrier, as before
         missing = None
-    if missing is None:
-        shutdown()
-        return []
-    import gc
-
-    # shutdown() less its barrier: the garbage collections keep gloo from aborting at exit
-    gc.collect()
-    dist.destroy_process_group()
-    gc.collect()
-    return missing
+    shutdown(wait=missing is None)
+    return missing or []
 
 
 def _meet_at_teardown(store, rank: int, world: int, wait_s: float) -> list[int] | None:

@@ -174,9 +174,11 @@ def barrier() -> None:
             dist.barrier()
 
 
-def shutdown() -> None:
+def shutdown(*, wait: bool = True) -> None:
     """Barrier, collect garbage, then destroy every process group (safe when not distributed).
-    Called while an exception propagates (from a ``finally`` or ``except``), it skips the barrier.
+    Called while an exception propagates (from a ``finally`` or ``except``), or with
+    ``wait=False`` (:func:`rlkit.launch`'s teardown once the other ranks did not arrive in time),
+    it skips the barrier.
 
     Both steps matter on gloo, where a process otherwise aborts at exit with "terminate called
     without an active exception". The barrier: every rank has finished its collectives before
@@ -189,7 +191,7 @@ def shutdown() -> None:
         import gc
         import sys
 
-        if sys.exc_info()[0] is None:
+        if wait and sys.exc_info()[0] is None:
             barrier()
         # else: called while an exception propagates (a `finally: shutdown()` on a rank that
         # raised): the other ranks may be inside a collective this rank will never join, and the
