@@ -178,7 +178,7 @@ class Dashboard:
         step = _step_of(rows[-1]) if rows else 0
         if step is not None:
             self._bar.value = step
-        shown = {k: v for row in rows for k, v in row.items() if k != "step"}
+        shown = _latest_values(rows)
         latest = " | ".join(f"{k}: {format_value(shown[k])}" for k in self.keys if k in shown)
         self._text.value = f"<code>{html.escape(latest)}</code>"
         self._plot.clear_output(wait=True)
@@ -196,7 +196,7 @@ class Dashboard:
         """The tables the dashboard shows: each metric of the latest run whose latest value is a
         list of dicts (:func:`samples_html`), captioned with its name and the step that logged it."""
         rows = self._run_rows()
-        shown = {k: v for row in rows for k, v in row.items() if k != "step"}
+        shown = _latest_values(rows)
         tables = []
         for key, value in shown.items():
             if table_rows(value) is not None:
@@ -211,7 +211,7 @@ class Dashboard:
         kept = _rewound(list(enumerate(self.history)), step, lambda item: _step_of(item[1]))
         self._run_start = sum(1 for i, _ in kept if i < self._run_start)
         self.history[:] = [row for _, row in kept]
-        self.latest = {k: v for row in self.history for k, v in row.items() if k != "step"}
+        self.latest = _latest_values(self.history)
         self._ended, self._stale = False, True
 
     def plot(self, keys: Sequence[str] | None = None):
@@ -252,6 +252,11 @@ class Dashboard:
 
     def close(self) -> None:
         pass
+
+
+def _latest_values(rows: Sequence[dict]) -> dict:
+    """Each metric's latest value over ``rows`` (a metric logged at some steps only keeps its last)."""
+    return {k: v for row in rows for k, v in row.items() if k != "step"}
 
 
 def _mark_non_finite(ax, xy: list[tuple]) -> str:
