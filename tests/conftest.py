@@ -95,3 +95,39 @@ def pytest_xdist_auto_num_workers(config):
     spent in tests that start processes of their own (two gloo ranks each), and waiting on them:
     more workers than that only queue for the same cores."""
     return max(1, min(4, os.cpu_count() or 1))
+
+
+class _StubWidget:
+    """Stands in for an ipywidgets widget (any of IntProgress, HTML, Output, VBox): holds ``value``,
+    ``max`` and a box's ``children``, and works as an ``Output`` context."""
+
+    def __init__(self, *args, **kwargs):
+        self.value, self.max, self.children = None, kwargs.get("max"), args[0] if args else None
+
+    def clear_output(self, wait=False):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.fixture
+def drawn_dashboard():
+    """``drawn_dashboard(**kwargs)``: a Dashboard that draws (Agg backend) into stand-in widgets:
+    without ipywidgets a Dashboard only keeps its history, and with it, it would display real ones."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from rlkit.observe.notebook import Dashboard
+
+    def make(**kwargs):
+        board = Dashboard(**kwargs)
+        board._bar, board._text, board._plot = _StubWidget(), _StubWidget(), _StubWidget()
+        board._bar.max = board.total
+        board._widgets = object()
+        return board
+
+    return make

@@ -29,39 +29,24 @@ import matplotlib.pyplot as plt  # noqa: E402
 from rlkit.observe.notebook import Dashboard  # noqa: E402
 
 
-class _Widget:
-    """Stands in for an ipywidgets widget (IntProgress, HTML, Output): ``value``, ``max``, and an
-    ``Output`` context."""
+@pytest.fixture
+def board_of(drawn_dashboard):
+    """``board_of(**kwargs)``: a drawing Dashboard (conftest's ``drawn_dashboard``) counting the steps
+    it drew at in ``board.drawn``."""
 
-    def __init__(self):
-        self.value, self.max = None, None
+    def make(**kwargs) -> Dashboard:
+        board = drawn_dashboard(**kwargs)
+        board.drawn = []
+        plot = board.plot
 
-    def clear_output(self, wait=False):
-        pass
+        def counted(*args, **kw):
+            board.drawn.append(board.history[-1]["step"] if board.history else None)
+            return plot(*args, **kw)
 
-    def __enter__(self):
-        return self
+        board.plot = counted
+        return board
 
-    def __exit__(self, *exc):
-        return False
-
-
-def _board(**kwargs) -> Dashboard:
-    """A Dashboard drawing into stand-in widgets (outside a kernel it would only keep its history),
-    counting the steps it drew at in ``board.drawn``."""
-    board = Dashboard(**kwargs)
-    board._bar, board._text, board._plot = _Widget(), _Widget(), _Widget()
-    board._bar.max = board.total
-    board._widgets = object()
-    board.drawn = []
-    plot = board.plot
-
-    def counted(*args, **kw):
-        board.drawn.append(board.history[-1]["step"] if board.history else None)
-        return plot(*args, **kw)
-
-    board.plot = counted
-    return board
+    return make
 
 
 @pytest.fixture(autouse=True)
@@ -98,10 +83,10 @@ def prompts(char_tok):
 
 
 # ----------------------------------------------------------------- 1: the run's last step shows
-def test_a_second_fit_past_total_ends_the_bar_at_its_last_step_and_draws_it(prompts):
+def test_a_second_fit_past_total_ends_the_bar_at_its_last_step_and_draws_it(board_of, prompts):
     """Dashboard(total=3, every=2), then a second fit to step 5: the bar stopped at 4/6 (the end
     moved on to the next multiple of every) and the text and plots at step 4."""
-    board = _board(total=3, every=2, keys=("loss",))
+    board = board_of(total=3, every=2, keys=("loss",))
     state, _ = fit(_state(), _Recipe(), _reward, prompts, steps=3, batch_size=4, sinks=[board])
     assert board.drawn == [2, 3] and (board._bar.value, board._bar.max) == (3, 3)
     state, _ = fit(state, _Recipe(), _reward, prompts, steps=5, batch_size=4, sinks=[board])
@@ -110,16 +95,16 @@ def test_a_second_fit_past_total_ends_the_bar_at_its_last_step_and_draws_it(prom
     assert board._text.value == "<code>loss: 0.5</code>"
 
 
-def test_a_run_ending_off_the_redraw_schedule_draws_its_last_step(prompts):
-    board = _board(total=10, every=4, keys=("loss",))
+def test_a_run_ending_off_the_redraw_schedule_draws_its_last_step(board_of, prompts):
+    board = board_of(total=10, every=4, keys=("loss",))
     fit(_state(), _Recipe(), _reward, prompts, steps=5, batch_size=4, sinks=[board])
     assert board.drawn == [4, 5]
     assert (board._bar.value, board._bar.max) == (5, 10)  # a run that stopped short of total: its bar shows it
     assert board._text.value == "<code>loss: 0.5</code>"
 
 
-def test_fit_stopped_by_an_exception_ends_the_sinks_and_raises_the_exception_as_it_was(prompts):
-    board, ended = _board(total=10, every=5, keys=("loss",)), []
+def test_fit_stopped_by_an_exception_ends_the_sinks_and_raises_the_exception_as_it_was(board_of, prompts):
+    board, ended = board_of(total=10, every=5, keys=("loss",)), []
 
     class Ends:
         def on_step(self, step, metrics):
@@ -169,10 +154,10 @@ def test_end_all_skips_sinks_without_on_end():
 
 
 # ----------------------------------------------------------------- 2: a fresh run on a reused dashboard
-def test_a_reused_dashboard_shows_only_the_fresh_run_and_nothing_is_lost(prompts, tmp_path):
+def test_a_reused_dashboard_shows_only_the_fresh_run_and_nothing_is_lost(board_of, prompts, tmp_path):
     """Run 1 evaluated at step 4; run 2 (a fresh state, the cell run again) showed run 1's
     eval/accuracy at its step 2, and plot() joined both runs (x 1..4, 1..4)."""
-    board = _board(total=4, keys=("loss", "eval/accuracy"))
+    board = board_of(total=4, keys=("loss", "eval/accuracy"))
     log = JSONLSink(tmp_path / "m.jsonl")
     seen = {}
 
@@ -197,8 +182,8 @@ def test_a_reused_dashboard_shows_only_the_fresh_run_and_nothing_is_lost(prompts
     assert [r["step"] for r in rows] == [1, 2, 3, 4] * 2 and [r["eval/accuracy"] for r in rows if "eval/accuracy" in r] == [0.9, 0.1]
 
 
-def test_a_re_run_one_step_fit_starts_a_new_display(prompts):
-    board = _board(total=1, keys=("loss", "only_a"))
+def test_a_re_run_one_step_fit_starts_a_new_display(board_of, prompts):
+    board = board_of(total=1, keys=("loss", "only_a"))
     fit(_state(), _Recipe(extra={"only_a": 1.0}), _reward, prompts, steps=1, batch_size=4, sinks=[board])
     assert board._text.value == "<code>loss: 0.1 | only_a: 1</code>"
     fit(_state(seed=1), _Recipe(), _reward, prompts, steps=1, batch_size=4, sinks=[board])
@@ -206,8 +191,8 @@ def test_a_re_run_one_step_fit_starts_a_new_display(prompts):
     assert [ax.get_title() for ax in board.plot().axes] == ["loss"]
 
 
-def test_a_resumed_run_and_two_rows_of_one_step_stay_one_run():
-    board = _board(total=6, keys=("loss", "eval/accuracy"))
+def test_a_resumed_run_and_two_rows_of_one_step_stay_one_run(board_of):
+    board = board_of(total=6, keys=("loss", "eval/accuracy"))
     for step in range(1, 5):
         board.on_step(step, {"loss": step / 10})
     board.on_end(4)  # stopped at step 4, resumed from its step-2 checkpoint: fit rewinds to 2

@@ -240,38 +240,7 @@ def test_prometheus_name_collisions_keep_the_first_and_warn_once():
     assert "'reward_mean'" in messages[0] and "'reward/mean'" in messages[0] and "rlkit_reward_mean" in messages[0]
 
 
-class _Widget:
-    """Stands in for an ipywidgets widget (any of IntProgress, HTML, Output, VBox): holds ``value``,
-    ``max`` and a box's ``children``, and works as an ``Output`` context."""
-
-    def __init__(self, *args, **kwargs):
-        self.value, self.max, self.children = None, kwargs.get("max"), args[0] if args else None
-
-    def clear_output(self, wait=False):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _drawn_dashboard(**kwargs):
-    """A Dashboard whose every step draws, into stand-in widgets: without ipywidgets a Dashboard
-    only keeps its history, and with it, it would display real ones."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from rlkit.observe.notebook import Dashboard
-
-    board = Dashboard(**kwargs)
-    board._bar, board._text, board._plot = _Widget(), _Widget(), _Widget()
-    board._widgets = object()
-    return board
-
-
-def test_console_and_dashboard_show_a_none_value_as_a_dash():
+def test_console_and_dashboard_show_a_none_value_as_a_dash(drawn_dashboard):
     import numpy as np
 
     out = io.StringIO()
@@ -281,7 +250,7 @@ def test_console_and_dashboard_show_a_none_value_as_a_dash():
     tokens = out.getvalue().split()
     assert "reward=-" in tokens and "acc=0.5" in tokens and "ent=n/a" in tokens, out.getvalue()
 
-    board = _drawn_dashboard(total=3, keys=("reward/mean", "eval/accuracy"))
+    board = drawn_dashboard(total=3, keys=("reward/mean", "eval/accuracy"))
     board.on_step(1, {"reward/mean": 0.5, "eval/accuracy": None})
     board.on_step(2, {"reward/mean": None, "eval/accuracy": 0.25})
     assert board._text.value == "<code>reward/mean: - | eval/accuracy: 0.25</code>"
@@ -293,13 +262,13 @@ def test_console_and_dashboard_show_a_none_value_as_a_dash():
     plt.close(fig)
 
 
-def test_a_dashboard_watching_a_second_fit_redraws_every_every_steps_and_keeps_the_latest_eval():
+def test_a_dashboard_watching_a_second_fit_redraws_every_every_steps_and_keeps_the_latest_eval(drawn_dashboard):
     """Reused for a second rk.fit call past its total, a Dashboard redrew at every step (the
     figure grows with the history: 0.1 s a step) and its bar stopped at total; its text dropped
     eval/accuracy at every step that did not evaluate, where ConsoleSink keeps the latest."""
     import matplotlib.pyplot as plt
 
-    board = _drawn_dashboard(total=100, every=25, keys=("reward/mean", "eval/accuracy"))
+    board = drawn_dashboard(total=100, every=25, keys=("reward/mean", "eval/accuracy"))
     drawn = []
     plot = board.plot
 
@@ -317,7 +286,7 @@ def test_a_dashboard_watching_a_second_fit_redraws_every_every_steps_and_keeps_t
     plt.close("all")
 
 
-def test_a_single_string_of_keys_is_one_key():
+def test_a_single_string_of_keys_is_one_key(drawn_dashboard):
     out = io.StringIO()
     sink = ConsoleSink(3, keys="reward/mean", console=Console(file=out, width=140, force_terminal=False))
     sink.on_step(1, {"reward/mean": 0.5, "r": 1.0, "mean": 2.0})
@@ -326,7 +295,7 @@ def test_a_single_string_of_keys_is_one_key():
     tokens = out.getvalue().split()
     assert "reward=0.5" in tokens and "r=1" not in tokens and "mean=2" not in tokens, out.getvalue()
 
-    board = _drawn_dashboard(total=3, keys="reward/mean")
+    board = drawn_dashboard(total=3, keys="reward/mean")
     assert board.keys == ("reward/mean",)
     board.on_step(1, {"reward/mean": 0.5, "r": 1.0})
     assert board._text.value == "<code>reward/mean: 0.5</code>"
