@@ -115,6 +115,12 @@ class _StubWidget:
 
 
 @pytest.fixture
+def stub_widget():
+    """The stand-in ipywidgets widget class (IntProgress, HTML, Output and VBox alike)."""
+    return _StubWidget
+
+
+@pytest.fixture
 def drawn_dashboard():
     """``drawn_dashboard(**kwargs)``: a Dashboard that draws (Agg backend) into stand-in widgets:
     without ipywidgets a Dashboard only keeps its history, and with it, it would display real ones."""

@@ -238,19 +238,17 @@ def test_samples_html_escapes_clips_and_formats():
     assert samples_html([]) == ""
 
 
-def test_a_dashboard_in_a_kernel_shows_the_latest_samples_under_its_plot(monkeypatch):
+def test_a_dashboard_in_a_kernel_shows_the_latest_samples_under_its_plot(monkeypatch, stub_widget):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from test_observe import _Widget  # the stand-in widget of tests/test_observe.py
-
     from rlkit.observe.notebook import Dashboard
 
     plt.close(plt.figure())  # the backend settled before the fake kernel: pyplot would hook into it otherwise
     shown = []
-    widgets = types.SimpleNamespace(IntProgress=_Widget, HTML=_Widget, Output=_Widget, VBox=_Widget)
+    widgets = types.SimpleNamespace(IntProgress=stub_widget, HTML=stub_widget, Output=stub_widget, VBox=stub_widget)
     ipython = types.ModuleType("IPython")
     shell = types.SimpleNamespace(kernel=object(), events=types.SimpleNamespace(register=lambda *a: None))  # pyplot hooks into it
     ipython.get_ipython = lambda: shell
