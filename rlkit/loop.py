@@ -37,6 +37,9 @@ def fit(
 ):
     """Run ``recipe.step`` until ``state.step == steps``; returns ``(state, history)``.
 
+    ``history``: one row per step this call ran, ``{"step": n, **metrics}`` (a ``ListSink``'s
+    rows; on a resumed run the first row's step is the resumed state's step + 1).
+
     ``prompts``: a :class:`rlkit.data.PromptSet`, or anything :func:`rlkit.load_prompts` reads (a
     list of strings or dicts, a path to a .jsonl, .json, .csv or .parquet file, a pandas DataFrame, a ``datasets.Dataset``), tokenized with the state's
     tokenizer. Resumable: batches come from ``prompts.batch_at(state.data_position, ...)``, so a
@@ -130,11 +133,11 @@ def fit(
                     except BaseException:
                         # Ctrl-C in a slow evaluation (or an eval_fn error) after the step trained: its
                         # training metrics are kept and logged, as exc.state is this step's state
-                        history.append(metrics)
+                        history.append({"step": state.step, **metrics})
                         broadcast(sinks, state.step, metrics)
                         raise
                     metrics.update({f"eval/{k}": v for k, v in evaluated.items()})
-                history.append(metrics)
+                history.append({"step": state.step, **metrics})
                 broadcast(sinks, state.step, metrics)
                 if checkpointer is not None:
                     # after the sinks: a step inside a checkpoint has its metrics logged, even when this

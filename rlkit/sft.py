@@ -54,7 +54,8 @@ def warmup(
     on_step: Callable[[int, dict], None] | None = None,
     sinks: Iterable[Any] = (),
 ) -> list[dict]:
-    """Train ``model`` in place on (prompt, completion) pairs; returns per-step metrics.
+    """Train ``model`` in place on (prompt, completion) pairs; returns per-step metrics,
+    ``[{"step": n, "sft/loss": .., "sft/lr": ..}, ...]`` (a ``ListSink``'s rows).
 
     ``examples`` is a list or any iterable (a generator is read once, up front). An example with
     characters the tokenizer encodes as its unknown token (rlkit's character tokenizer does for
@@ -126,7 +127,7 @@ def warmup(
             optimizer.step()
             scheduler.step()
             metrics = {"sft/loss": float(loss.detach()), "sft/lr": lr_used}
-            history.append(metrics)
+            history.append({"step": step + 1, **metrics})
             broadcast(sinks, step + 1, metrics)
     except BaseException as exc:
         end_after_error(exc, sinks, len(history), "warmup")  # the dashboard draws the step it stopped at

@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from rlkit._checks import int_at_least, is_int, is_real
+from rlkit._checks import check_context, int_at_least, is_int, is_real
 
 
 #: the smallest temperature > 0 SamplingParams takes (0 is greedy)
@@ -86,7 +86,12 @@ class Generation:
 
 @runtime_checkable
 class Engine(Protocol):
-    """A rollout engine. Implementations: ``TorchEngine``, ``HFEngine``, ``VLLMEngine``."""
+    """A rollout engine. Implementations: ``TorchEngine``, ``HFEngine``, ``VLLMEngine``.
+
+    An engine may also name the keys its ``load_weights`` report has, as a class attribute
+    ``sync_keys`` (not part of the protocol; default ``("bytes", "seconds")``): a rollout that
+    moves no weights logs zeros under them, so every step carries the same ``sync/*`` keys.
+    """
 
     #: incremented by ``load_weights``; reported in every Batch as ``policy_version``
     policy_version: int
@@ -142,6 +147,18 @@ def pick_pad_token_id(config, pad_token_id: int | None = None, vocab: int | None
             if usable(candidate):
                 return int(candidate)
     return 0
+
+
+def check_engine_context(model, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, where: str) -> None:
+    """Refuse a call whose longest prompt plus ``max_new_tokens`` passes ``model``'s context
+    (``config.max_position_embeddings``), as :func:`rlkit.rollout` does: an engine called directly
+    had generated from positions the model never learned without a word."""
+    if not prompt_ids:
+        return
+    i = max(range(len(prompt_ids)), key=lambda k: len(prompt_ids[k]))
+    check_context(model, len(prompt_ids[i]) + params.max_new_tokens,
+                  f"{where}: prompt {i} ({len(prompt_ids[i])} tokens) with max_new_tokens={params.max_new_tokens}",
+                  "shorten the prompt or lower max_new_tokens")
 
 
 def left_pad_prompts(prompts: Sequence[Sequence[int]], pad_token_id: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

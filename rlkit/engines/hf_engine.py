@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from rlkit.engines.base import Generation, SamplingParams, left_pad_prompts, pick_pad_token_id
+from rlkit.engines.base import Generation, SamplingParams, check_engine_context, left_pad_prompts, pick_pad_token_id
 
 
 def _pad_id(tokenizer_or_pad_id, model: nn.Module) -> int:
@@ -154,6 +154,7 @@ class HFEngine:
         start = time.perf_counter()
         # as TorchEngine: an empty prompt or an id outside the vocabulary named (the embedding's IndexError named neither)
         ids, mask = left_pad_prompts(prompt_ids, self.pad_token_id, self.model.get_input_embeddings().num_embeddings)
+        check_engine_context(self.model, prompt_ids, params, "HFEngine.generate")
         mask = mask.long()
         width = ids.shape[1]
         device = self.device

@@ -94,7 +94,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlkit._triton import lazy_kernels
-from rlkit.engines.base import Generation, SamplingParams, left_pad_prompts, pick_pad_token_id
+from rlkit.engines.base import Generation, SamplingParams, check_engine_context, left_pad_prompts, pick_pad_token_id
 
 #: Triton and ``triton.language``, put here by :func:`rlkit._triton.lazy_kernels` when the kernels
 #: are first built (None before that, and on machines without Triton)
@@ -700,6 +700,8 @@ class TorchEngine:
     #: over replicas without changing what each row samples)
     samples_batch_rows = True
     _rows: tuple[int, int] | None = None  # the current generate call's rows, see _noise
+    #: the keys of load_weights' report (a rollout that moves no weights logs them as zeros)
+    sync_keys = ("bytes", "seconds", "fused_bytes")
 
     def __init__(
         self,
@@ -1353,6 +1355,7 @@ class TorchEngine:
         ``no_grad``). Everything it allocates stays inside the engine; the returned tensors are
         copied out after it, so they are ordinary tensors that training code may use freely."""
         start = time.perf_counter()
+        check_engine_context(self, prompt_ids, params, "TorchEngine.generate")
         self._rows = _checked_rows(rows, len(prompt_ids) * params.n)
         try:
             with torch.inference_mode():

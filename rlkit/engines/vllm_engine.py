@@ -248,6 +248,8 @@ class VLLMEngine:
 
     #: the engine keeps its own weights: rollout() must call load_weights after each update
     shares_storage = False
+    #: the keys of load_weights' report (a rollout that moves no weights logs them as zeros)
+    sync_keys = ("bytes", "seconds", "buckets")
 
     #: engines alive in this process, and the environment variables their builds changed (name ->
     #: value before, None if unset): vLLM sets process-wide ones (LOCAL_WORLD_SIZE, LD_PRELOAD, ...)

@@ -74,13 +74,20 @@ def _check_lowered_engine(cache: dict, kind: Any) -> None:
                          "(None) on a lowered state, or use the other engine on one process")
 
 
+def _no_sync(engine: Engine) -> dict[str, float]:
+    """The sync metrics of a rollout that moved no weights: zeros under the keys the engine's
+    syncs report (``Engine.sync_keys``, optional), so every step logs the same ``sync/*`` keys;
+    they had been missing on the first step of a fresh or resumed run."""
+    return {f"sync/{k}": 0.0 for k in getattr(engine, "sync_keys", ("bytes", "seconds"))}
+
+
 def sync_engine(state: TrainState, engine: Engine) -> dict[str, float]:
     """Bring the engine to the state's policy version (no-op for shared-storage engines)."""
     if engine.policy_version == state.policy_version:
-        return {}
+        return _no_sync(engine)
     if getattr(engine, "shares_storage", False):
         engine.policy_version = state.policy_version
-        return {"sync/bytes": 0.0, "sync/seconds": 0.0}
+        return _no_sync(engine)
     sync_fn = state._cache.get("weight_sync")
     if sync_fn is not None:
         report = sync_fn(state, engine)
@@ -348,7 +355,7 @@ def _split_rollout(state: TrainState, prompts: Prompts, params: SamplingParams, 
     import torch.distributed as dist
 
     cache, roles = state._cache, state._cache["split"]
-    sync: dict[str, float] = {}
+    sync = {"sync/bytes": 0.0, "sync/seconds": 0.0}  # the keys of Pipeline._split_sync's report
     if cache.get("synced_version") != state.policy_version:
         sync = {f"sync/{k}": v for k, v in cache["split_sync"](state).items()}  # collective
         cache["synced_version"] = state.policy_version
