@@ -25,6 +25,7 @@ which raises ``NotImplementedError``. We implement the documented intent:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from typing import Callable
 
@@ -103,7 +104,37 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mode: str | C
             f"ref_logprobs has shape {tuple(ref_logprobs.shape)} but logprobs has shape {tuple(logprobs.shape)}; "
             "both must be (b t)"
         )
-    return KL_PENALTIES.get(mode)(logprobs, ref_logprobs)
+    fn = check_kl_fn(mode)
+    out = fn(logprobs, ref_logprobs)
+    if not isinstance(out, torch.Tensor) or out.shape != logprobs.shape:
+        # a (b,) or scalar estimate failed later as "loss_mat has shape (16,) and mask (16, 5)",
+        # naming neither the KL function nor its contract
+        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"KL penalty {_name(mode, fn)!r} returned {got}; a KL penalty returns a per-token estimate of "
+                         f"the inputs' shape {tuple(logprobs.shape)} (b t), e.g. logprobs - ref_logprobs")
+    return out
+
+
+def _name(mode, fn) -> str:
+    return mode if isinstance(mode, str) else getattr(fn, "__name__", type(fn).__name__)
+
+
+def check_kl_fn(mode: str | Callable) -> Callable:
+    """The KL penalty ``mode`` names, checked to take ``(logprobs, ref_logprobs)`` by position: a
+    user's function with another signature was accepted by a recipe and failed after the first
+    rollout with Python's bare "missing 1 required positional argument"."""
+    fn = KL_PENALTIES.get(mode)
+    try:
+        params = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to read
+        return fn
+    try:
+        params.bind(None, None)
+    except TypeError:
+        raise TypeError(f"KL penalty {_name(mode, fn)!r} has the signature {params}; update calls it as "
+                        "fn(logprobs, ref_logprobs) -> (b t), both (b t) tensors by position (give any other "
+                        "parameter a default)") from None
+    return fn
 
 
 @torch.no_grad()

@@ -264,8 +264,11 @@ class _ShardedReward:
     def __init__(self, fn, style: str, rank: int, size: int, group) -> None:
         import functools
 
+        # same name and signature (inspect follows __wrapped__), but not the reward's own attributes
+        # (updated=()): copied over this wrapper's, a reward object's self.rank, .size, .fn, .style or
+        # .group replaced them, and a rank scored another rank's rows, silently
+        functools.update_wrapper(self, fn, updated=())
         self.fn, self.style, self.rank, self.size, self.group = fn, style, rank, size, group
-        functools.update_wrapper(self, fn)  # same name and signature (inspect follows __wrapped__)
         # rlkit.score may pass the decoded texts as LazyRows: this wrapper slices its share first,
         # so a rank decodes only the rows it scores
         self.reads_row_shares = True

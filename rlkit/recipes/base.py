@@ -111,7 +111,10 @@ class Recipe:
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
         if self.kl is not None:
-            mode, coef = _resolve_kl(self.kl)
+            try:  # the coefficient, the KL name and a function's signature
+                mode, coef = _resolve_kl(self.kl)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{name}: {e}") from None
             object.__setattr__(self, "kl", (mode, coef))  # kl=1e-3 means ("low_var_kl", 1e-3), as in update
         for field_name in ("mini_batch_size", "micro_batch_size"):
             if getattr(self, field_name) is not None:
@@ -121,7 +124,7 @@ class Recipe:
         # a negative norm used to be accepted and turned every update into gradient ascent
         positive_finite_or_none(self.max_grad_norm, f"{name}.max_grad_norm", "no clipping")
         # names too: a misspelt loss, option or aggregation used to surface after the first rollout
-        from rlkit.algos import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_PENALTIES
+        from rlkit.algos import ADVANTAGE_ESTIMATORS, AGGREGATIONS
         from rlkit.transforms.update import _resolve_loss
 
         default_agg = next(f.default for f in fields(self) if f.name == "agg")
@@ -132,19 +135,19 @@ class Recipe:
             # the class's own default is what its loss is written for)
             _resolve_loss(self.loss, self.loss_kw, self.agg if self.agg != default_agg else None,
                           drop_agg=f"drop agg (agg={default_agg!r})")
-            # and the estimator, the KL mode and the engine: they failed after the first rollout
+            # and the estimator and the engine (the KL mode: _resolve_kl above): they failed after the first rollout
             estimator = getattr(self, "estimator", None)
             if isinstance(estimator, str):
                 ADVANTAGE_ESTIMATORS.get(estimator)
-            if self.kl is not None and isinstance(self.kl[0], str):
-                KL_PENALTIES.get(self.kl[0])
         except (KeyError, ValueError, TypeError) as e:
             raise ValueError(f"{name}: {e}") from None
         if self.n < 2 and self.compares_groups():
             # a group of one has no statistics to compare with: advantage refused it after the
             # first rollout, naming rollout(..., n=8) rather than this field
+            from rlkit.transforms.advantage import group_builtin
+
             estimator = getattr(self, "estimator", None)
-            shown = estimator if isinstance(estimator, str) else getattr(estimator, "__name__", estimator)
+            shown = estimator if isinstance(estimator, str) else group_builtin(estimator) or getattr(estimator, "__name__", estimator)
             raise ValueError(f"{name}.n={self.n}: the estimator {shown!r} compares the n responses sampled for each prompt, "
                              "so it needs n >= 2 (e.g. .with_(n=8))")
         from rlkit.transforms.rollout import ENGINES
@@ -193,11 +196,20 @@ class Recipe:
         """The forward passes the update will need (reference log-probs under a KL penalty),
         queued before the host scores the batch: they never wait for the device, so reward
         functions run on the CPU while the GPU computes them (the update would otherwise run
-        them after scoring, serially)."""
+        them after scoring, serially).
+
+        The critic's ``values`` too, on a state with a critic, when the recipe's estimator takes a
+        ``values`` parameter: a learned-value baseline in ``GRPO(estimator=...)`` or ``CriticFree``
+        always received ``values=None`` (only the PPO recipe ran the critic), while the update
+        trained the critic for nothing."""
         if self.needs_ref() and state.ref is not None:
             from rlkit.transforms.forward import compute_ref_logprobs
 
             batch = compute_ref_logprobs(state, batch, temperature=self.temperature, micro_batch_size=self.micro_batch_size)
+        if state.critic is not None and "values" not in batch.keys() and _takes_values(getattr(self, "estimator", None)):
+            from rlkit.transforms.forward import compute_values
+
+            batch = compute_values(state, batch, micro_batch_size=self.micro_batch_size)
         return batch
 
     def update_kwargs(self) -> dict[str, Any]:
@@ -256,14 +268,12 @@ class Recipe:
 
     def compares_groups(self) -> bool:
         """Whether a step compares the n responses of each prompt with each other (so needs n >= 2):
-        true for a built-in group estimator (:data:`rlkit.transforms.advantage.GROUP_ESTIMATORS`,
-        by name or function). A user's own estimator owns its statistics."""
-        from rlkit.transforms.advantage import GROUP_ESTIMATORS
+        true for a built-in group estimator (:func:`rlkit.transforms.advantage.group_builtin`: by
+        name as registered now, function or ``functools.partial``). A user's own estimator owns its
+        statistics."""
+        from rlkit.transforms.advantage import group_builtin
 
-        try:
-            return getattr(self, "estimator", None) in GROUP_ESTIMATORS
-        except TypeError:  # an unhashable callable of the user's own
-            return False
+        return group_builtin(getattr(self, "estimator", None)) is not None
 
     def step(self, state, prompts, reward):
         """One training step: ``(state, metrics)``. Subclasses define it (the built-in recipes do)."""
@@ -292,3 +302,16 @@ def check_fields(factory: Callable, changes: Mapping[str, Any], where: str) -> N
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise TypeError(f"{where}: {cls.__name__} has no field(s) {unknown}{hint}; its fields: {', '.join(names)}")
 
+
+def _takes_values(estimator) -> bool:
+    """Whether an advantage estimator (a registered name or a function) declares ``values``."""
+    import inspect
+
+    from rlkit.algos.advantages import ADVANTAGE_ESTIMATORS
+
+    if estimator is None:
+        return False
+    try:
+        return "values" in inspect.signature(ADVANTAGE_ESTIMATORS.get(estimator)).parameters
+    except (KeyError, ValueError, TypeError):
+        return False

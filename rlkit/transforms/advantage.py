@@ -11,12 +11,13 @@ otherwise the sequence reward ``rewards (b)`` is placed on the last response tok
 Those derived token rewards are not added to the returned batch, so calling ``advantage`` again
 after changing ``rewards`` estimates from the new rewards.
 
-The built-in group estimators (:data:`GROUP_ESTIMATORS`, by name, alias or function) need the
+The built-in group estimators (:func:`group_builtin`: by name, alias, function or partial) need the
 same number ``n >= 2`` of samples per prompt; an estimator of your own that takes ``group`` gets
 whatever grouping the batch has.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Callable
 
@@ -41,11 +42,29 @@ _GROUP_BUILTINS = {
     _builtin.gpg: "gpg",
     _builtin.reinforce_plus_plus_baseline: "reinforce++_baseline",
 }
-#: the same estimators as every registered name (aliases included) and as the functions, for an
-#: ``estimator in GROUP_ESTIMATORS`` test that takes what :func:`advantage` takes (rlkit.jobs)
+#: the same estimators as every name registered at import (aliases included) and as the functions;
+#: :func:`group_builtin` is the test that follows later registrations and ``functools.partial``
 GROUP_ESTIMATORS = frozenset(
     [n for n in ADVANTAGE_ESTIMATORS.names() if ADVANTAGE_ESTIMATORS.get(n) in _GROUP_BUILTINS] + list(_GROUP_BUILTINS)
 )
+
+
+def group_builtin(estimator) -> str | None:
+    """The name of the built-in group estimator that ``estimator`` runs (a registered name, as
+    registered now; a function; a ``functools.partial`` of either), else None. Resolved at each
+    call: a ``functools.partial(grpo, epsilon=1e-4)`` (as tutorials/from_trl.md suggests) had
+    skipped the n >= 2 and equal-group checks, and a user's function registered over ``"grpo"``
+    was still held to them by name."""
+    try:
+        fn = ADVANTAGE_ESTIMATORS.get(estimator)
+    except (KeyError, ValueError, TypeError):
+        return None
+    while isinstance(fn, functools.partial):
+        fn = ADVANTAGE_ESTIMATORS.get(fn.func) if isinstance(fn.func, str) else fn.func
+    try:
+        return _GROUP_BUILTINS.get(fn)
+    except TypeError:  # an unhashable callable of the user's own
+        return None
 
 
 def sequence_to_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -135,7 +154,7 @@ def advantage(batch: Batch, estimator: str | Callable = "grpo", **kw) -> Batch:
                     validate(batch, require=(name,))
                 continue
             inputs[name] = available[name]()
-    builtin = _GROUP_BUILTINS.get(fn)
+    builtin = group_builtin(fn)
     if builtin is not None:
         # Only the built-in group estimators are held to equal groups of n >= 2. They compute
         # verl's per-prompt statistics, which give a group of one a meaningless advantage (its raw

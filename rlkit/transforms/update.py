@@ -48,7 +48,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from rlkit._checks import check_token_ids, int_at_least, is_int, is_real, positive_finite_or_none
-from rlkit.algos.kl import kl_penalty
+from rlkit.algos.kl import check_kl_fn, kl_penalty
 from rlkit.algos.losses import POLICY_LOSSES, aggregate, value_loss
 from rlkit.batch import Batch, BatchError, validate
 from rlkit.state import TrainState
@@ -246,25 +246,72 @@ def _check_loss_positions(fn: Callable, params) -> None:
                         + f". Reorder {name}'s parameters to ({order})")
 
 
-def _warn_local_normaliser(fn: Callable, accepted: set | None, *, parts: int, ranks: int, micro: int, mini: int) -> None:
-    """Warn when a policy loss cannot normalise by the whole mini-batch: it declares neither
-    ``num_tokens`` nor ``num_seqs`` (nor ``**kwargs``), so a mean it takes is over its own micro-batch
-    (or rank's share), and summing those parts is not the mini-batch's loss: micro-batching (or data
-    parallelism) would change the gradient, silently, by up to the number of parts."""
-    if accepted is None or accepted & {"num_tokens", "num_seqs"} or (parts <= 1 and ranks <= 1):
+#: the global normalisers each built-in aggregation reads (a custom one may read any of them)
+AGG_NORMALISERS = {"token-mean": ("num_tokens",), "seq-mean-token-mean": ("num_seqs",),
+                   "seq-mean-token-sum": ("num_seqs",), "seq-mean-token-sum-norm": ("horizon",)}
+_NORMALISERS = ("num_tokens", "num_seqs", "horizon")
+
+
+def _loss_agg(fn: Callable, agg: Any) -> Any:
+    """The aggregation a loss with an ``agg`` parameter applies: update's, else the parameter's default."""
+    if agg is not None:
+        return agg
+    try:
+        default = inspect.signature(fn).parameters["agg"].default
+    except (TypeError, ValueError, KeyError):
+        return None
+    return None if default is inspect.Parameter.empty else default
+
+
+def _warn_local_normaliser(fn: Callable, accepted: set | None, agg: Any = None, *, parts: int, ranks: int, micro: int,
+                           mini: int, horizon_differs: bool = False) -> None:
+    """Warn when a policy loss cannot normalise as the update does: it does not declare (nor take
+    ``**kwargs`` for) a normaliser its aggregation reads, so ``rk.algos.aggregate`` falls back to
+    the rows it is given.
+
+    - ``num_tokens`` / ``num_seqs``: a mean over each micro-batch (or rank's share), summed, is not
+      the mini-batch's mean; micro-batching (or data parallelism) changed the gradient silently, by
+      up to the number of parts. A loss with no ``agg`` parameter needs either count; one with
+      ``agg`` needs the one its aggregation reads (:data:`AGG_NORMALISERS`; all three for a custom
+      aggregation): a loss declaring ``agg`` and ``num_tokens`` alone, under ``seq-mean-*`` with 4
+      micro-batches, had 4x the built-in loss's gradient.
+    - ``horizon`` (Dr. GRPO's constant, ``seq-mean-token-sum-norm``): without it the loss divides
+      by the batch's width, while the KL and entropy terms divide by the update's ``horizon``, so
+      even one batch was scaled by width/horizon (the ``drgrpo`` recipe's horizon is
+      ``max_new_tokens``)."""
+    if accepted is None:
+        return
+    split = parts > 1 or ranks > 1
+    if "agg" in accepted:
+        mode = _loss_agg(fn, agg)
+        needs = AGG_NORMALISERS.get(mode, _NORMALISERS) if isinstance(mode, str) else _NORMALISERS
+        missing = [n for n in needs if n not in accepted and (split if n != "horizon" else horizon_differs)]
+    else:
+        missing = [] if accepted & {"num_tokens", "num_seqs"} or not split else ["num_tokens", "num_seqs"]
+    if not missing:
         return
     name = _loss_name(fn)
-    split = []
-    if parts > 1:
-        split.append(f"micro_batch_size={micro} splits each mini-batch into {parts} micro-batches")
-    if ranks > 1:
-        split.append(f"{ranks} data-parallel ranks each hold part of the mini-batch of {mini} rows")
+    why = []
+    counts = [n for n in missing if n != "horizon"]
+    if counts:
+        split_by = []
+        if parts > 1:
+            split_by.append(f"micro_batch_size={micro} splits each mini-batch into {parts} micro-batches")
+        if ranks > 1:
+            split_by.append(f"{ranks} data-parallel ranks each hold part of the mini-batch of {mini} rows")
+        why.append(f"without {' or '.join(counts)} it can only normalise by the rows it is given; {' and '.join(split_by)}, "
+                   "whose losses are summed: a mean over each part is not the mini-batch's mean, and the gradient changes "
+                   "with the split")
+    if "horizon" in missing:
+        why.append("without horizon its seq-mean-token-sum-norm divides by the batch's response width, not the update's "
+                   "horizon, which the KL and entropy terms use")
+    shown = f" (agg={_loss_agg(fn, agg)!r})" if "agg" in accepted else ""
+    declare = ", ".join(f"{n}=None" for n in (_NORMALISERS if "agg" in accepted else ("num_tokens", "num_seqs")))
+    passed = ", ".join(f"{n}={n}" for n in (_NORMALISERS if "agg" in accepted else ("num_tokens", "num_seqs")))
     warnings.warn(
-        f"rlkit.update: the policy loss {name!r} takes neither num_tokens nor num_seqs, so it can only normalise by "
-        f"the rows it is given; {' and '.join(split)}, whose losses are summed: a mean over each part is not the "
-        f"mini-batch's mean, and the gradient changes with the split. Add num_tokens=None, num_seqs=None parameters "
-        f"to {name} and pass them on (rk.algos.aggregate(loss_mat, response_mask, agg, num_tokens=num_tokens, "
-        f"num_seqs=num_seqs)), or train without micro-batches (micro_batch_size=None) on one process",
+        f"rlkit.update: the policy loss {name!r}{shown} does not take {', '.join(missing)}: {'; and '.join(why)}. "
+        f"Add {declare} parameters to {name} and pass them on (rk.algos.aggregate(loss_mat, response_mask, agg, {passed}))"
+        + (", or train without micro-batches (micro_batch_size=None) on one process" if counts else ""),
         RuntimeWarning, stacklevel=3)
 
 
@@ -352,6 +399,7 @@ def _resolve_kl(kl) -> tuple[str | Callable | None, float]:
     if not math.isfinite(coef) or coef < 0:
         # a negative coefficient would reward moving away from the reference; NaN would poison every loss
         raise ValueError(f"kl's coefficient must be a finite number >= 0, got {coef}; 0 or kl=None turns the penalty off")
+    check_kl_fn(mode)  # a misspelt name or a function of another signature, before any pass runs
     return mode, coef
 
 
@@ -725,7 +773,8 @@ def update(
     local_mini = mini // dp.size if shard is not None else mini
     micro = min(micro, local_mini)
     parts = -(-local_mini // micro)  # micro-batches per mini-batch on this rank
-    _warn_local_normaliser(loss_fn, loss_accepts, parts=parts, ranks=dp.size if shard is not None else 1, micro=micro, mini=mini)
+    _warn_local_normaliser(loss_fn, loss_accepts, agg, parts=parts, ranks=dp.size if shard is not None else 1, micro=micro,
+                           mini=mini, horizon_differs=horizon != width)
     _warn_per_call_selection(loss_fn, parts=parts, micro=micro)
 
     # metrics stay on the device (float64) until one transfer at the end: a float() per metric

@@ -94,6 +94,15 @@ def _job() -> dict:
             raise ValueError("boom")
         return [0.0] * len(completions)
 
+    class Ranked:  # a reward object whose attributes share names with the sharding wrapper's fields
+        def __init__(self):
+            self.rank, self.size, self.fn, self.style, self.group = 1, 7, len, "batch", "g"
+
+        def __call__(self, completions, **kwargs):
+            return [float(len(c)) for c in completions]
+
+    out["object_rewards"] = score(_batch(), shard_reward(Ranked()))["rewards"].tolist()
+
     try:
         score(_batch(), shard_reward(fails_on_rank_1))
         out["error"] = None
@@ -144,6 +153,13 @@ def test_every_rank_gets_every_reward_equal_to_one_process(two):
         assert r["equal"], r
         expected = [len(t) + float(a) + 10 * len(t) + float(len(t) == int(a)) for t, a in zip(TEXTS, ANSWERS)]
         assert r["rewards"] == pytest.approx(expected)
+
+
+def test_a_reward_objects_own_attributes_do_not_replace_the_wrappers(two):
+    # update_wrapper copied the object's .rank/.size/.fn/.style/.group over the wrapper's: with
+    # self.rank = 1 rank 0 scored rank 1's rows, and rows 0-2 got rows 3-4's rewards, silently
+    for r in two:
+        assert r["object_rewards"] == [float(len(t)) for t in TEXTS]
 
 
 def test_a_sharded_reward_with_prompts_first_is_called_by_keyword(two):

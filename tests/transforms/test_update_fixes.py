@@ -225,7 +225,7 @@ def test_a_loss_that_cannot_normalise_by_the_mini_batch_warns_when_micro_batched
     assert not [w for w in quiet if "normalise" in w]
     split, said = run(own_mean, 1)
     assert split["actor/grad_norm"] > 1.5 * whole["actor/grad_norm"]  # the defect the warning names
-    assert any("'own_mean' takes neither num_tokens nor num_seqs" in w and "micro_batch_size=1 splits each mini-batch "
+    assert any("'own_mean' (agg='token-mean') does not take num_tokens" in w and "micro_batch_size=1 splits each mini-batch "
                "into 4 micro-batches" in w for w in said)
     exact, quiet = run(counted, 1)
     assert not [w for w in quiet if "normalise" in w]
