@@ -152,14 +152,14 @@ def fit(
             state = exc.returned_state  # the step's update donated the state passed in: this is the latest one
         elif _is_live_state(getattr(exc, "state", None)):
             state = exc.state  # an update that finished, then failed (NonFiniteError, a warning as error): its new state
-        _attach_progress(exc, state, history)
+        _attach_progress(exc, state, history, checkpointer)
         if not ended:
             # a state mid-update (donated) is not readable: the last step done is the last one logged
             end_after_error(exc, sinks, state.step if _is_live_state(state) else first_step + len(history), "rk.fit")
-        if _is_live_state(state):
-            from rlkit.state import record_stop
+        from rlkit.state import record_stop
 
-            record_stop(given, state, exc)  # the cell run again with the donated handle points here
+        # the cell run again with the donated handle points at the latest state, or says none is left
+        record_stop(given, state if _is_live_state(state) else None, exc, during=first_step + len(history) + 1)
         raise
     return state, history
 
@@ -407,7 +407,7 @@ def _is_live_state(state) -> bool:
     return True
 
 
-def _attach_progress(exc: BaseException, state, history: list) -> None:
+def _attach_progress(exc: BaseException, state, history: list, checkpointer=None) -> None:
     """Put the run's latest state and history on an exception leaving ``fit`` (Ctrl-C included):
     the state passed in was donated to the first update, so without this a failure at step 900
     (or an interrupt) would lose 900 steps. The exception carries them as ``exc.state`` and
@@ -424,9 +424,24 @@ def _attach_progress(exc: BaseException, state, history: list) -> None:
         exc.state, exc.history = state, history
     except Exception:  # noqa: BLE001 - an exception type without a __dict__: leave it as it is
         return
-    if hasattr(exc, "add_note"):
-        where = f"after step {state.step}" if state is not None else "(the state was mid-update and is not usable)"
+    if not hasattr(exc, "add_note"):
+        return
+    if state is not None:
         exc.add_note(
-            f"rk.fit stopped {where} with {len(history)} step(s) of history: the exception carries them as "
-            "exc.state and exc.history (in a notebook: import sys; state = sys.last_value.state)"
+            f"rk.fit stopped after step {state.step} with {len(history)} step(s) of history: the exception carries them "
+            "as exc.state and exc.history (in a notebook: import sys; state = sys.last_value.state)"
         )
+        return
+    # mid-update: the parameters and optimizer moved partly, so no consistent state is left; the note
+    # had pointed at exc.state, which is None
+    latest = getattr(checkpointer, "latest", None)
+    try:
+        saved = latest() if callable(latest) else None
+    except Exception:  # noqa: BLE001 - never mask the real error
+        saved = None
+    restore = (f"restore the last checkpoint, {saved} (`state = checkpointer.resume(template)`), or start over from "
+               "rk.init" if saved is not None else "start over from rk.init (no checkpoint was saved)")
+    exc.add_note(
+        f"rk.fit stopped during an update, after {len(history)} logged step(s) (exc.history): that update had already "
+        f"changed the parameters and optimizer in place, so no consistent state is left (exc.state is None); {restore}"
+    )

@@ -285,13 +285,21 @@ def _describe_tokenizer(tokenizer: Any) -> str:
     return f"{type(tokenizer).__name__}(vocab={size})" if size is not None else type(tokenizer).__name__
 
 
-def record_stop(handle: "TrainState", latest: "TrainState | None", exc: BaseException) -> None:
+def record_stop(handle: "TrainState", latest: "TrainState | None", exc: BaseException, during: int | None = None) -> None:
     """Note on ``handle`` (the state passed to ``rk.fit``, donated to its first update) that the
     run stopped with ``exc`` and that its latest state is ``latest``: using ``handle`` again (the
     cell run a second time) raises a :class:`DonatedStateError` that says so and carries
-    ``latest`` as ``.state``."""
+    ``latest`` as ``.state``. ``latest=None``: the run stopped inside the update of step
+    ``during``, and no consistent state is left; the error says so and names the ways back (it
+    had said "use the state that call returned", of which there is none)."""
     donation = object.__getattribute__(handle, "_donation")
-    if not donation.donated or latest is None or latest is handle:
+    if not donation.donated or latest is handle:
+        return
+    if latest is None:
+        text = str(exc).splitlines()[0] if str(exc) else ""
+        donation.by = "rk.fit"
+        donation.reason = (f"{type(exc).__name__}{': ' + text[:100] if text else ''} during the update of step {during}"
+                           if during is not None else f"{type(exc).__name__} during an update")
         return
     donation.latest = latest
     text = str(exc).splitlines()[0] if str(exc) else ""

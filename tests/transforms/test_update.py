@@ -364,7 +364,7 @@ def test_fit_does_not_hand_back_a_state_interrupted_mid_update(char_tok):
     with pytest.raises(KeyboardInterrupt) as info:
         rk.fit(state, recipe, task.reward, task.train, steps=3, batch_size=2)
     assert info.value.state is None and len(info.value.history) == 1
-    assert any("mid-update and is not usable" in note for note in info.value.__notes__)
+    assert any("stopped during an update" in note and "no consistent state is left" in note for note in info.value.__notes__)
 
 
 def test_gmpo_through_update_equals_a_direct_call(tiny_model, char_tok):

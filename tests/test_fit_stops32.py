@@ -1,0 +1,52 @@
+"""Ctrl-C inside an update in rk.fit: no consistent state is left, and the note and the donated
+handle's error now say so and name the checkpoint to restore (they pointed at exc.state, which is
+None, and at "the state that call returned", of which there is none)."""
+import pytest
+import torch
+
+import rlkit as rk
+from rlkit.checkpoint import Checkpointer
+from rlkit.state import DonatedStateError
+
+TASK_N_TRAIN = 16
+
+
+def _interrupting_loss(after_calls):
+    calls = []
+
+    def loss(logprobs, old_logprobs, advantages, response_mask, *, num_tokens=None):
+        calls.append(1)
+        if len(calls) > after_calls:
+            raise KeyboardInterrupt
+        ratio = torch.exp(logprobs - old_logprobs)
+        return -(ratio * advantages * response_mask).sum() / num_tokens, {}
+
+    return loss
+
+
+def test_ctrl_c_mid_update_names_the_checkpoint_and_the_handle_says_no_state_is_left(task, fresh_state, tmp_path):
+    # two mini-batches a step: the interrupt lands in step 2's second, after its first optimizer step
+    recipe = rk.recipes.get("grpo").with_(n=2, max_new_tokens=2, mini_batch_size=4, loss=_interrupting_loss(3))
+    saver = Checkpointer(tmp_path, every=1, save_on_sigterm=False)
+    given = fresh_state()
+    with pytest.raises(KeyboardInterrupt) as info:
+        rk.fit(given, recipe, task.reward, task.train, steps=4, batch_size=4, checkpointer=saver)
+    exc = info.value
+    assert exc.state is None and len(exc.history) == 1
+    note = "\n".join(exc.__notes__)
+    assert "rk.fit stopped during an update, after 1 logged step(s)" in note and "exc.state is None" in note
+    assert f"restore the last checkpoint, {tmp_path / 'step_000001'}" in note and "sys.last_value.state" not in note
+    with pytest.raises(DonatedStateError) as used:
+        given.step  # noqa: B018 - the notebook cell run again
+    message = str(used.value)
+    assert "donated to rk.fit, which did not finish (KeyboardInterrupt during the update of step 2)" in message
+    assert "Restore the last checkpoint" in message and "Use the state that call returned" not in message
+    # and the way back it names works: the checkpoint restores step 1
+    assert saver.resume(fresh_state()).step == 1
+
+
+def test_without_a_checkpointer_the_note_says_start_over(task, fresh_state):
+    recipe = rk.recipes.get("grpo").with_(n=2, max_new_tokens=2, mini_batch_size=4, loss=_interrupting_loss(1))
+    with pytest.raises(KeyboardInterrupt) as info:
+        rk.fit(fresh_state(), recipe, task.reward, task.train, steps=2, batch_size=4)
+    assert "start over from rk.init (no checkpoint was saved)" in "\n".join(info.value.__notes__)
