@@ -138,7 +138,15 @@ def fit(
                         raise
                     metrics.update({f"eval/{k}": v for k, v in evaluated.items()})
                 history.append({"step": state.step, **metrics})
-                broadcast(sinks, state.step, metrics)
+                try:
+                    broadcast(sinks, state.step, metrics)
+                except Exception:
+                    # a failing sink (a metrics server gone) stops the run, but the step it logged has
+                    # trained: its checkpoint, when one is due, is saved first (it was skipped, and a
+                    # resume redid the step). Ctrl-C in a sink stops at once, as everywhere
+                    if checkpointer is not None:
+                        checkpointer.maybe_save(state)
+                    raise
                 if checkpointer is not None:
                     # after the sinks: a step inside a checkpoint has its metrics logged, even when this
                     # save is the last thing a preempted (SIGTERM) run does

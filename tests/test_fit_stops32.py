@@ -50,3 +50,29 @@ def test_without_a_checkpointer_the_note_says_start_over(task, fresh_state):
     with pytest.raises(KeyboardInterrupt) as info:
         rk.fit(fresh_state(), recipe, task.reward, task.train, steps=2, batch_size=4)
     assert "start over from rk.init (no checkpoint was saved)" in "\n".join(info.value.__notes__)
+
+
+class _Broken:
+    def __init__(self, at):
+        self.at = at
+
+    def on_step(self, step, metrics):
+        if step == self.at:
+            raise ConnectionError("metrics server gone")
+
+    def __repr__(self):
+        return "Broken()"
+
+
+def test_a_failing_sink_is_named_and_the_step_it_logged_is_checkpointed(task, fresh_state, tmp_path):
+    recipe = rk.recipes.get("grpo").with_(n=2, max_new_tokens=2)
+    saver = Checkpointer(tmp_path, every=1, save_on_sigterm=False)
+    kept = rk.observe.ListSink()
+    with pytest.raises(ConnectionError) as info:
+        rk.fit(fresh_state(), recipe, task.reward, task.train, steps=4, batch_size=2, sinks=[_Broken(2), kept],
+               checkpointer=saver)
+    notes = "\n".join(info.value.__notes__)
+    assert "raised by the sink Broken() on step 2 (the other sinks got the step)" in notes
+    assert [h["step"] for h in kept.history] == [1, 2]
+    # step 2 trained and is in exc.state; its checkpoint is saved too (it was skipped: a resume redid it)
+    assert info.value.state.step == 2 and saver.latest() == tmp_path / "step_000002"

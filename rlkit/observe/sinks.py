@@ -359,7 +359,8 @@ class CallbackSink:
 def broadcast(sinks: Iterable[Any], step: int, metrics: dict[str, float]) -> None:
     """``sink.on_step(step, metrics)`` on every sink, then the first exception one raised (Ctrl-C
     in a slow sink, a plot's redraw, used to leave the sinks after it without the step: a hole in
-    the run's JSONL log once it went on from ``exc.state``)."""
+    the run's JSONL log once it went on from ``exc.state``). The exception gets a note naming the
+    sink and the step (a sink's own error, a ``ConnectionError`` say, named neither)."""
     first: BaseException | None = None
     for sink in sinks:
         try:
@@ -367,6 +368,8 @@ def broadcast(sinks: Iterable[Any], step: int, metrics: dict[str, float]) -> Non
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the other sinks
             if first is None:
                 first = exc
+                if isinstance(exc, Exception) and hasattr(exc, "add_note"):
+                    exc.add_note(f"raised by the sink {sink!r:.80} on step {step} (the other sinks got the step)")
     if first is not None:
         raise first
 
