@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -70,6 +71,8 @@ META = "meta.json"
 PREFIX = "step_"
 _FINAL = re.compile(r"^step_(\d+)$")
 _GARBAGE = re.compile(r"^step_(\d+)\.(tmp|old)-[0-9a-f]+$")
+#: errnos of a full disk or quota: a failed save's message says to free space
+_DISK_FULL = {getattr(errno, name) for name in ("ENOSPC", "EDQUOT") if hasattr(errno, name)}
 #: (model field, optimizer field, scheduler field) of the TrainState roles that are trained
 _TRAINED = (("actor", "optimizer", "scheduler"), ("critic", "critic_optimizer", "critic_scheduler"))
 #: config keys that differ between otherwise identical models (not part of the config hash)
@@ -90,6 +93,19 @@ class CheckpointMismatchError(CheckpointError, ValueError):
 
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint file is missing, truncated or fails its checksum."""
+
+
+class CheckpointSaveError(CheckpointError, OSError):
+    """Writing a checkpoint failed (a full disk, a write error): the partial new checkpoint is
+    discarded and the earlier ones are intact. DCP reported such a failure as its ``CheckpointException``,
+    a ``BaseException`` that ``except Exception`` / ``except OSError`` did not catch, whose message
+    was a traceback dump that named no checkpoint. An ``OSError`` too, with the cause's ``errno``
+    when it had one (``errno.ENOSPC``: the disk is full). ``path``: the checkpoint it was writing;
+    ``reason``: the cause, one line; ``previous``: the newest complete checkpoint next to it, or None."""
+
+    def __init__(self, message: str, *, path: Path | None = None, reason: str = "", previous: Path | None = None):
+        super().__init__(message)
+        self.path, self.reason, self.previous = path, reason, previous
 
 
 class Preempted(SystemExit):
@@ -704,6 +720,7 @@ def save(
     if _rank() == 0:
         tmp.mkdir(parents=True)
     _barrier()
+    swapping = False  # from here on the checkpoints already in root are renamed (see _save_failed)
     try:
         sd, trainer = _state_dict(state, save_ref)
         with _quiet_dcp(), _interrupts_unwrapped():
@@ -731,6 +748,7 @@ def save(
         if _rank() == 0:
             _write_marker(tmp, {"format": FORMAT_VERSION, "step": step, "files": files})
             _fsync_dir(tmp)
+            swapping = True
             # before the rename: a crash in between never leaves the abandoned ones as "latest"
             _set_aside_newer(root, step)
             old = None
@@ -754,13 +772,59 @@ def save(
             else:
                 _sweep_old(root)  # what an interrupted deletion left (the Checkpointer lives on)
         _barrier()
-    except BaseException:
+    except BaseException as exc:
         # an exception (disk full, a bug) cleans up after itself; a hard kill leaves the .tmp-
         # directory, which latest() ignores and the next Checkpointer deletes
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        failed = None if swapping else _save_failed(exc, final, tmp)
+        if failed is None:
+            raise
+        raise failed from exc
     return final
+
+
+def _save_failed(exc: BaseException, final: Path, tmp: Path) -> CheckpointSaveError | None:
+    """The :class:`CheckpointSaveError` that a failure ``exc`` of writing checkpoint ``final``
+    becomes, or None for what goes on as it is: an interrupt (``KeyboardInterrupt``,
+    ``SystemExit``), rlkit's own errors, and anything but DCP's ``CheckpointException`` or an
+    ``OSError``. Only called for failures before the swap, so "the earlier checkpoints are intact"
+    holds: up to the COMPLETE marker a save writes only into its own ``tmp`` (removed by then), and
+    nothing in the folder has been renamed yet."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, (KeyboardInterrupt, SystemExit, CheckpointError)):
+        return None
+    if isinstance(exc, CheckpointException):
+        failures = getattr(exc, "failures", {}) or {}
+        causes = [(rank, pair[0] if isinstance(pair, tuple) else pair) for rank, pair in sorted(failures.items())]
+        causes = [(rank, e) for rank, e in causes if isinstance(e, BaseException)]
+        if not causes:
+            rank, cause = None, exc
+        else:
+            rank, cause = causes[0]
+            rank = rank if _world() > 1 else None
+    elif isinstance(exc, OSError):
+        rank, cause = None, exc
+    else:
+        return None
+    reason = _last_line(cause) + (f" (on rank {rank})" if rank is not None else "")
+    root = final.parent
+    previous = latest(root)
+    kept = (f"the earlier checkpoints in {root} are intact (the newest complete one: {previous.name}; resume from "
+            f"it, e.g. `--resume auto` or `checkpointer.resume(state, 'auto')`)" if previous is not None
+            else f"there is no earlier complete checkpoint in {root}")
+    full = " (free space on that disk first)" if getattr(cause, "errno", None) in _DISK_FULL else ""
+    partial = (f"its partial folder {tmp.name} was removed" if _rank() != 0 or not tmp.exists()
+               else f"its partial folder {tmp} could not be removed: delete it, or let the next Checkpointer do it")
+    error = CheckpointSaveError(
+        f"saving checkpoint {final} failed: {reason}. The partial save is discarded ({partial}) and {kept}; fix the "
+        f"cause{full} and save again",
+        path=final, reason=reason, previous=previous,
+    )
+    if isinstance(getattr(cause, "errno", None), int):
+        error.errno = cause.errno  # `except OSError as e: if e.errno == errno.ENOSPC` sees the full disk
+    return error
 
 
 # --------------------------------------------------------------------------- load

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from typing import Any, Callable, Iterable, Mapping
 
 from rlkit._checks import int_at_least
@@ -119,7 +120,10 @@ def fit(
             while state.step < steps:
                 batch_prompts = prompts.batch_at(position, batch_size, seed=state.seed, shuffle=shuffle)
                 t0 = time.perf_counter()
+                scheduled = _scheduler_steps(state) if state.step == first_step else None
                 state, metrics = _checked_step_output(recipe.step(state, batch_prompts, reward), recipe)
+                if scheduled is not None:
+                    _warn_schedule_ends_early(state, scheduled, steps)
                 position += 1
                 now = time.perf_counter()
                 elapsed = elapsed_before + (now - t_start)
@@ -413,6 +417,37 @@ def _is_live_state(state) -> bool:
     except Exception:  # noqa: BLE001
         return False
     return True
+
+
+def _scheduler_steps(state) -> int | None:
+    """How many optimizer steps the actor's LR schedule has counted (None: no schedule to read)."""
+    return getattr(getattr(state, "scheduler", None), "last_epoch", None)
+
+
+def _warn_schedule_ends_early(state, before: int, steps: int) -> None:
+    """After the first step of a fit call: warn when a decaying LR schedule (cosine, linear) will
+    end before the run does. ``total_steps`` counts optimizer steps, and one fit step takes one per
+    mini-batch and epoch: with ``mini_batch_size=4`` (4 mini-batches) and ``total_steps=8`` for an
+    8-step run, the schedule ended at step 2 and the other 6 steps trained at ``min_lr``
+    (0 by default), silently."""
+    spec = getattr(state, "optimizer_spec", None)
+    after = _scheduler_steps(state)
+    if spec is None or after is None or spec.schedule == "constant" or spec.total_steps is None:
+        return
+    per_step = after - before
+    if per_step <= 1:
+        return  # one optimizer step per fit step: total_steps is the fit steps, as it reads
+    end = after + per_step * (steps - state.step)
+    if end <= spec.total_steps:
+        return
+    last = state.step + max(0, spec.total_steps - after) // per_step
+    warnings.warn(
+        f"rk.fit: the LR schedule (schedule={spec.schedule!r}, total_steps={spec.total_steps}) counts optimizer steps, "
+        f"and a step of this recipe takes {per_step} (one per mini-batch and epoch): the {steps} steps reach "
+        f"{end}, so the schedule ends at about step {last} and the steps after it train at min_lr "
+        f"({spec.lr * spec.min_lr_ratio:g}). For a schedule over the whole run give "
+        f"rk.optim.adamw(..., total_steps={steps * per_step}) (steps x {per_step})",
+        RuntimeWarning, stacklevel=3)
 
 
 def _attach_progress(exc: BaseException, state, history: list, checkpointer=None) -> None:

@@ -30,6 +30,10 @@ class OptimizerSpec:
     by the decaying schedules ("cosine", "linear"), which also need ``warmup_steps <=
     total_steps``; ``min_lr_ratio`` in [0, 1]; ``fused`` a bool or None (rlkit picks).
 
+    ``warmup_steps`` and ``total_steps`` count optimizer steps: an update takes one per mini-batch
+    and epoch, so a recipe with ``mini_batch_size`` or ``epochs`` takes several per ``rk.fit`` step
+    (``rk.fit`` warns when a decaying schedule would end before its run does).
+
     ``no_decay``: shell-style patterns (``fnmatch``) over parameter names as
     ``model.named_parameters()`` gives them; the parameters they match get no weight decay (a second
     parameter group with ``weight_decay=0``). Empty (the default, as verl): every parameter decays.

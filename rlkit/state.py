@@ -454,6 +454,12 @@ def init(
       importable and the model has at least 20M parameters
       (``rlkit.models.compile.AUTO_MIN_PARAMS``: below that, compiling pays back slowly or
       never), never on CPU. A compiler failure falls back to eager mode with a warning.
+    - ``seed``: the root of every rollout's, shuffle's and loss's randomness (explicit generators,
+      ``fold_in(seed, ...)``). rk.init also seeds torch's global RNG with ``fold_in(seed, "init")``:
+      the one draw rlkit leaves to it is the actor's train-mode dropout in the update (checkpoints
+      save and restore that RNG), so a run with dropout repeats from its seed. Your own draws from
+      torch's global RNG after rk.init therefore repeat across runs of the same ``seed``, whatever you
+      seeded before it: seed them after rk.init, or with a ``torch.Generator`` of your own.
     """
     from rlkit.optim import adamw
 
