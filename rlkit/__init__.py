@@ -62,6 +62,12 @@ def __getattr__(name):
     raise AttributeError(f"module 'rlkit' has no attribute {name!r}")
 
 
+def __dir__():
+    # the lazy names too: Tab completion in a notebook (jedi, IPython) lists dir(rk), which without
+    # this left out rk.models, rk.tasks, rk.fit, rk.recipes, rk.Pipeline, ...
+    return sorted(set(globals()) | set(__all__))
+
+
 __all__ = [
     "Batch", "BatchError", "make_batch", "validate", "packed", "column", "set_column",
     "Prompts", "PromptSet", "load_prompts",

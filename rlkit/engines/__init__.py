@@ -16,3 +16,7 @@ def __getattr__(name: str):
 
         return VLLMEngine
     raise AttributeError(f"module 'rlkit.engines' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))  # VLLMEngine too, for Tab completion

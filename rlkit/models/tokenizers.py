@@ -80,6 +80,8 @@ def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     # (_restore_split_specials).
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
+        # transformers 4.x otherwise adds token_type_ids, which model.generate(**tok(...)) refuses
+        model_input_names=["input_ids", "attention_mask"],
         pad_token=PAD,
         bos_token=BOS,
         eos_token=EOS,

@@ -21,3 +21,7 @@ def __getattr__(name: str):
     if name in _SUBMODULES:
         return importlib.import_module(f"rlkit.observe.{name}")
     raise AttributeError(f"module 'rlkit.observe' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))  # the lazy submodules too, for Tab completion

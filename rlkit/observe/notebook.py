@@ -16,6 +16,7 @@ from __future__ import annotations
 import html
 import math
 import sys
+import warnings
 from typing import Sequence
 
 from rlkit._checks import int_at_least
@@ -110,7 +111,13 @@ class Dashboard:
         try:
             import ipywidgets as widgets
             from IPython.display import display
-
+        except ImportError as e:
+            # in a kernel without the widgets the cell showed nothing at all, without a word
+            warnings.warn(f"Dashboard: {e.name or 'ipywidgets'} is not installed, so nothing is drawn live (the rows are "
+                          "kept in .history); pip install 'rlkit[notebook]' and restart the kernel", RuntimeWarning,
+                          stacklevel=2)
+            return
+        try:
             self._bar = widgets.IntProgress(min=0, max=total, description="step")
             self._text = widgets.HTML()
             self._plot = widgets.Output()
@@ -219,7 +226,10 @@ class Dashboard:
         are in ``history``), up to :attr:`columns` panels a row, within :attr:`max_figsize` inches.
         An infinite or NaN value is a red mark at the panel's top (``inf``, ``nan``: ``^``, ``x``)
         or bottom (``-inf``: ``v``) edge at its step, and its count is in the panel's title."""
-        import matplotlib.pyplot as plt
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError("Dashboard.plot draws with matplotlib, which is not installed: pip install 'rlkit[notebook]'") from None
 
         rows = self._run_rows()
         points = {}
