@@ -224,6 +224,25 @@ def _resolve_loss(loss: LossSpec, loss_kw: Mapping[str, Any] | None, agg: Any = 
 LOSS_INPUTS = ("logprobs", "old_logprobs", "advantages", "response_mask")
 
 
+#: keywords update itself passes a policy loss (besides its four tensors)
+_LOSS_KEYWORDS = frozenset({"agg", "num_tokens", "num_seqs", "horizon", "generator"})
+
+
+def _loss_fields(fn: Callable, accepted: set | None, batch, loss_kw: Mapping[str, Any]) -> tuple[str, ...]:
+    """The batch's tensor fields a policy loss declares by name, beyond its four tensors and the
+    keywords update passes (``ref_logprobs``, ``group``, ``rewards``, a column of your own): each
+    micro-batch's rows of them are passed by keyword, as an estimator gets its fields. A loss
+    declaring ``ref_logprobs=None`` had silently received its default; ``loss_kw`` of the same name
+    wins. A loss taking only ``**kwargs`` receives no fields (it names none)."""
+    if accepted is None:
+        return ()
+    params = inspect.signature(fn).parameters
+    positional = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:4]
+    keys = set(batch.keys())
+    return tuple(n for n in params if n not in positional and n not in _LOSS_KEYWORDS and n not in loss_kw
+                 and n in keys and isinstance(batch.get(n), torch.Tensor))
+
+
 def _check_loss_positions(fn: Callable, params) -> None:
     """A policy loss receives its four tensors by position (``logprobs, old_logprobs, advantages,
     response_mask``). A loss naming them in another order (``f(logprobs, advantages, response_mask,
@@ -754,10 +773,11 @@ def update(
         old_key = "old_logprobs" if "old_logprobs" in batch.keys() else "logprobs"  # no row marked: the rollout's
     # only the tensors the loss reads: slicing and moving text columns (lazy stacks of strings)
     # cost milliseconds per micro-batch
+    loss_fields = _loss_fields(loss_fn, loss_accepts, batch, loss_kw)
     used = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "advantages", "old_logprobs", "logprobs",
-            "ref_logprobs", "values", "returns", FILTERED)
+            "ref_logprobs", "values", "returns", FILTERED, *loss_fields)
     present = set(batch.keys())
-    batch = batch.select(*(k for k in used if k in present))
+    batch = batch.select(*dict.fromkeys(k for k in used if k in present))
     b = batch.batch_size[0]
     horizon = width if horizon is None else int(horizon)
     term_agg = agg or "token-mean"
@@ -886,7 +906,8 @@ def update(
                                 call_kw = {k: v for k, v in call_kw.items() if k in loss_accepts}
                             old_lp = logprobs.detach() if old == "current" else mb[old_key]
                             pg_loss, pg_metrics = _checked_loss_output(
-                                loss_fn(logprobs, old_lp, mb["advantages"], mask, **call_kw, **loss_kw, **extra), loss_fn)
+                                loss_fn(logprobs, old_lp, mb["advantages"], mask, **call_kw, **loss_kw, **extra,
+                                        **{k: mb[k] for k in loss_fields}), loss_fn)
                             total = pg_loss
                             record("actor/pg_loss", pg_loss, 1.0)
                             for k, v in pg_metrics.items():
