@@ -600,6 +600,15 @@ def _run_one(fn: Callable, batch: Batch, prompts: Sequence[str], completions: Se
         # a numeric numpy array (a model's predict(...)), as a tensor of the same values: its
         # (b, 1) column was split into one-element arrays, refused per sample, where a tensor passed
         values = torch.from_numpy(values.astype("float32", copy=False).copy())
+    if isinstance(values, torch.Tensor) and values.dim() > 1 and values.numel() != b:
+        # a (b, 2) tensor was flattened and reported as "returned 2b values"
+        raise RewardError(f"reward {name!r} returned a tensor of shape {tuple(values.shape)} for a batch of {b} responses; "
+                          f"return one number per completion (shape ({b},))")
+    if isinstance(values, abc.Mapping):
+        # a dict was read as its keys ("returned 1 values")
+        raise RewardError(f"reward {name!r} returned a dict (keys {list(values)[:4]}) for a batch of {b} responses; return "
+                          "one number per completion (a list or a tensor); for several scores, give several reward "
+                          "functions ({'name': fn, ...}) with weights")
     try:
         values = values.detach().float().flatten().cpu() if isinstance(values, torch.Tensor) else list(values)
     except TypeError:
