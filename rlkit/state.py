@@ -711,6 +711,15 @@ def _check_init_args(model, optimizer, tokenizer, ref, critic, critic_optimizer)
     if isinstance(model, (str, os.PathLike)):
         raise TypeError(f"rk.init takes a model, not a path ({str(model)!r}); load it with rk.models.load_model(path)")
     model_of(model, "rk.init", accept_state=False)
+    for role, module in (("model", model), ("critic", critic)):
+        if isinstance(module, nn.Module) and not any(p.requires_grad for p in module.parameters()):
+            # AdamW then failed with torch's "optimizer got an empty parameter list", naming neither
+            # the argument nor why (a model frozen as a reference, or loaded for inference)
+            frozen = any(True for _ in module.parameters())
+            raise ValueError(f"rk.init: the {role} has no trainable parameter ("
+                             + ("every parameter has requires_grad=False, e.g. a model frozen as a reference"
+                                if frozen else "it has no parameters")
+                             + f"); rk.init trains it: unfreeze it with {role}.requires_grad_(True), or pass a fresh copy")
     for name, spec in (("optimizer", optimizer), ("critic_optimizer", critic_optimizer)):
         if spec is not None and not isinstance(spec, OptimizerSpec):
             raise TypeError(f"{name} must be an rlkit OptimizerSpec (e.g. rk.optim.adamw(lr=1e-5)), got {type(spec).__name__}")

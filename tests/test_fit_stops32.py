@@ -76,3 +76,14 @@ def test_a_failing_sink_is_named_and_the_step_it_logged_is_checkpointed(task, fr
     assert [h["step"] for h in kept.history] == [1, 2]
     # step 2 trained and is in exc.state; its checkpoint is saved too (it was skipped: a resume redid it)
     assert info.value.state.step == 2 and saver.latest() == tmp_path / "step_000002"
+
+
+def test_init_on_a_frozen_model_names_the_argument_and_the_fix(task):
+    model = rk.models.tiny(task.tokenizer, seed=0, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                           num_key_value_heads=1).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"rk.init: the model has no trainable parameter \(every parameter has "
+                                         r"requires_grad=False.*unfreeze it with model.requires_grad_\(True\)"):
+        rk.init(model, rk.optim.adamw(lr=1e-3), tokenizer=task.tokenizer)
+    frozen_critic = rk.models.critic(model).requires_grad_(False)
+    with pytest.raises(ValueError, match="the critic has no trainable parameter"):
+        rk.init(model.requires_grad_(True), rk.optim.adamw(lr=1e-3), tokenizer=task.tokenizer, critic=frozen_critic)
