@@ -41,6 +41,7 @@ process group); ``root`` must be a file system that every rank sees.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import errno
 import hashlib
@@ -433,19 +434,73 @@ def _set_aside_newer(root: Path, step: int) -> list[Path]:
     return moved
 
 
-def _previous(path: Path) -> Path | None:
+def _step_of(path: Path) -> tuple[int, bool] | None:
+    """(step, whether ``path`` is a leftover ``step_<k>.tmp-*`` / ``.old-*``) from a checkpoint
+    folder's name, or None for another name."""
     m = _FINAL.match(path.name)
-    if not m:
-        return None
-    older = [p for s, p in list_checkpoints(path.parent) if s < int(m.group(1))]
-    return older[-1] if older else None
+    if m:
+        return int(m.group(1)), False
+    m = _GARBAGE.match(path.name)
+    return (int(m.group(1)), True) if m else None
 
 
-def _try_previous(path: Path) -> str:
-    prev = _previous(path)
-    if prev is None:
+def _damage(path: Path, checksum: bool = True) -> str | None:
+    """What :func:`verify` (the test ``resume("auto")`` picks a checkpoint by) finds wrong with the
+    checkpoint ``path``, its first problem, or None when it is complete. Checked by this process
+    alone, without verify's collective: for the advice in an error message, which every rank
+    builds on its own (on a shared folder they all find the same)."""
+    if not (path / MARKER).is_file():
+        return f"no {MARKER} marker"
+    try:
+        with open(path / MARKER, encoding="utf-8") as f:
+            manifest = json.load(f)
+        files = manifest.get("files") if isinstance(manifest, dict) else None
+        if not isinstance(files, dict) or not files:
+            return f"its {MARKER} lists no files"
+        problems = _file_problems(path, files, checksum)
+    except (OSError, ValueError, AttributeError, TypeError) as exc:  # unreadable or malformed manifest
+        return f"its {MARKER} cannot be read ({type(exc).__name__}: {exc})"
+    return problems[0] if problems else None
+
+
+#: off inside resume("auto"), which goes on to the older checkpoints itself (verifying each) and
+#: keeps only the first clause of a corrupt one's message: the advice would check them twice
+_ADVISE = contextvars.ContextVar("rlkit_checkpoint_advise", default=True)
+
+
+def _try_previous(path: Path, checksum: bool = True) -> str:
+    """What to resume from instead of the broken checkpoint ``path``: the newest complete
+    checkpoint next to it of an earlier step (of the same step too, for a leftover
+    ``step_<k>.tmp-*`` or ``.old-*``), checked as ``resume("auto")`` checks it; it suggested the
+    previous one by name alone, which could be broken too, and for a leftover folder said there was
+    none."""
+    if not _ADVISE.get():
+        return "resume('auto') tries the older checkpoints"
+    found = _step_of(path)
+    older = []
+    if found is not None:
+        step, leftover = found
+        older = [p for s, p in list_checkpoints(path.parent) if (s <= step if leftover else s < step) and p != path]
+    if not older:
         return "there is no older checkpoint next to it: start a fresh run (a new --out directory, or no --resume)"
-    return f"resume from the previous checkpoint instead ({prev}, e.g. `--resume {prev}` or `checkpointer.restore(state, path='{prev}')`) and delete the broken one"
+    damaged = []
+    for prev in reversed(older):
+        problem = _damage(prev, checksum)
+        if problem is not None:
+            damaged.append((prev, problem))
+            continue
+        use = f"`--resume {prev}` or `checkpointer.restore(state, path='{prev}')`"
+        if not damaged:
+            return f"resume from the previous checkpoint instead ({prev}, e.g. {use}) and delete the broken one"
+        return (f"resume from the newest complete checkpoint before it instead ({prev}, e.g. {use}; the newer "
+                f"{_listed(damaged)} {'is' if len(damaged) == 1 else 'are'} damaged too) and delete the broken ones")
+    return (f"none of the {len(older)} older checkpoint(s) next to it is complete either ({_listed(damaged)}): start "
+            f"a fresh run (a new --out directory, or no --resume), or repair one")
+
+
+def _listed(damaged: list[tuple[Path, str]]) -> str:
+    shown = "; ".join(f"{p.name}: {problem}" for p, problem in damaged[:3])
+    return shown + (f"; and {len(damaged) - 3} more" if len(damaged) > 3 else "")
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -621,8 +676,13 @@ def _state_dict(state: TrainState, save_ref: bool) -> tuple[dict[str, Any], dict
 
 # --------------------------------------------------------------------------- manifest
 def _sha256(path: Path) -> str:
+    # read in 1 MiB blocks: hashlib.file_digest is Python 3.11+, and rlkit supports 3.10 (every
+    # checksummed save failed there with an AttributeError)
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _fsync_file(path: Path) -> None:
@@ -828,14 +888,14 @@ def _save_failed(exc: BaseException, final: Path, tmp: Path) -> CheckpointSaveEr
 
 
 # --------------------------------------------------------------------------- load
-def _read_json(path: Path, what: str, checkpoint: Path) -> Any:
+def _read_json(path: Path, what: str, checkpoint: Path, checksum: bool = True) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except FileNotFoundError:
-        raise CheckpointCorruptError(f"checkpoint {checkpoint} has no {path.name} ({what}); the checkpoint is incomplete: {_try_previous(checkpoint)}") from None
+        raise CheckpointCorruptError(f"checkpoint {checkpoint} has no {path.name} ({what}); the checkpoint is incomplete: {_try_previous(checkpoint, checksum)}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointCorruptError(f"checkpoint {checkpoint}: file {path.name} ({what}) is corrupted ({exc}); {_try_previous(checkpoint)}") from None
+        raise CheckpointCorruptError(f"checkpoint {checkpoint}: file {path.name} ({what}) is corrupted ({exc}); {_try_previous(checkpoint, checksum)}") from None
 
 
 def verify(path: str | os.PathLike, *, checksum: bool = True) -> dict[str, Any]:
@@ -848,13 +908,23 @@ def verify(path: str | os.PathLike, *, checksum: bool = True) -> dict[str, Any]:
         raise CheckpointNotFoundError(f"checkpoint {str(path)!r} does not exist")
     if not (path / MARKER).is_file():
         raise CheckpointCorruptError(
-            f"checkpoint {path} has no {MARKER} marker: its save was interrupted, so it may be partial; {_try_previous(path)}"
+            f"checkpoint {path} has no {MARKER} marker: its save was interrupted, so it may be partial; {_try_previous(path, checksum)}"
         )
-    manifest = _read_json(path / MARKER, "the manifest", path)
+    manifest = _read_json(path / MARKER, "the manifest", path, checksum)
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not files:
-        raise CheckpointCorruptError(f"checkpoint {path}: {MARKER} lists no files; {_try_previous(path)}")
-    rank, world = _rank(), _world()
+        raise CheckpointCorruptError(f"checkpoint {path}: {MARKER} lists no files; {_try_previous(path, checksum)}")
+    problems = _file_problems(path, files, checksum, _rank(), _world())
+    problems = sorted(p for part in _all_gather(problems) for p in part)
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise CheckpointCorruptError(f"checkpoint {path} is corrupted: {problems[0]}{more}; {_try_previous(path, checksum)}")
+    return manifest
+
+
+def _file_problems(path: Path, files: dict[str, Any], checksum: bool, rank: int = 0, world: int = 1) -> list[str]:
+    """What is wrong with the files of the manifest ``files`` in ``path``: missing, another size, or
+    (``checksum``) another sha256; only every ``world``-th file from ``rank`` (verify splits them)."""
     problems = []
     for i, (name, expect) in enumerate(sorted(files.items())):
         if i % world != rank:
@@ -868,11 +938,7 @@ def verify(path: str | os.PathLike, *, checksum: bool = True) -> dict[str, Any]:
             problems.append(f"file {name} has {size} bytes but the manifest says {expect.get('bytes')} (truncated or overwritten)")
         elif checksum and "sha256" in expect and _sha256(file) != expect["sha256"]:
             problems.append(f"file {name} fails its sha256 checksum (its contents changed after the save)")
-    problems = sorted(p for part in _all_gather(problems) for p in part)
-    if problems:
-        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
-        raise CheckpointCorruptError(f"checkpoint {path} is corrupted: {problems[0]}{more}; {_try_previous(path)}")
-    return manifest
+    return problems
 
 
 def _fmt_shape(shape) -> str:
@@ -988,7 +1054,7 @@ def load(
 
     path = resolve(path)
     verify(path, checksum=checksum)
-    meta = _read_json(path / META, "model description", path)
+    meta = _read_json(path / META, "model description", path, checksum)
     _validate(template, meta, path, load_ref)
 
     # DCP wraps a read failure in CheckpointException, a BaseException in torch 2.13: caught with
@@ -1004,7 +1070,7 @@ def load(
             dcp.load(trainer_probe, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed())
         trainer = pickle.loads(trainer_probe["trainer"])
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any read failure means a broken file
-        raise CheckpointCorruptError(f"checkpoint {path}: cannot read the trainer state ({type(exc).__name__}: {exc}); {_try_previous(path)}") from exc
+        raise CheckpointCorruptError(f"checkpoint {path}: cannot read the trainer state ({type(exc).__name__}: {exc}); {_try_previous(path, checksum)}") from exc
     sd: dict[str, Any] = {}
     if rng_key in saved_keys:
         sd[rng_key] = b""
@@ -1045,7 +1111,7 @@ def load(
         with _quiet_dcp(), _interrupts_unwrapped():
             dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed())
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's wrapper is a BaseException in torch 2.13
-        raise CheckpointCorruptError(f"checkpoint {path}: reading the tensors failed ({_last_line(exc)}); {_try_previous(path)}") from exc
+        raise CheckpointCorruptError(f"checkpoint {path}: reading the tensors failed ({_last_line(exc)}); {_try_previous(path, checksum)}") from exc
 
     for model_key, opt_key, sched_key, info in plans:
         model, optimizer = getattr(template, model_key), current(opt_key)
@@ -1551,11 +1617,14 @@ class Checkpointer:
             return template
         skipped: list[tuple[Path, CheckpointCorruptError]] = []
         for _, path in reversed(found):
+            advise = _ADVISE.set(False)  # this loop goes on to the older ones itself
             try:
                 verify(path, checksum=self.checksum)  # collective: every rank gets the same answer
             except CheckpointCorruptError as exc:
                 skipped.append((path, exc))
                 continue
+            finally:
+                _ADVISE.reset(advise)
             if skipped:
                 warnings.warn(
                     f"resume('auto'): skipped {len(skipped)} corrupted checkpoint(s) newer than {path.name}: "
@@ -1587,5 +1656,5 @@ def checkpoint_bytes(path: str | os.PathLike) -> int:
 __all__ = [
     "Checkpointer", "save", "load", "latest", "list_checkpoints", "resolve", "verify", "prune", "cleanup",
     "step_dir_name", "config_hash", "checkpoint_bytes", "CheckpointError", "CheckpointNotFoundError",
-    "CheckpointMismatchError", "CheckpointCorruptError", "Preempted",
+    "CheckpointMismatchError", "CheckpointCorruptError", "CheckpointSaveError", "Preempted",
 ]

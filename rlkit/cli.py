@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command != "run" or os.environ.get("RLKIT_TRACEBACK") == "1":
         return args.fn(args)
-    from rlkit.checkpoint import CheckpointError, Preempted
+    from rlkit.checkpoint import CheckpointError, CheckpointSaveError, Preempted
     from rlkit.launch import Terminated, WorkerError
 
     # a bad option or input (its message names the fix): status 2, in this process or in a worker
@@ -133,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         # the launcher's wrapper around it; that stays in the launch's run directory
         where = (f"rank {e.rank}'s traceback is in {e.traceback_file}; RLKIT_TRACEBACK=1 prints it" if e.traceback_file
                  else "RLKIT_TRACEBACK=1 shows the worker's traceback")
+        if e.exception_message is not None and _raised_one_of(e, (CheckpointSaveError,)):
+            # not bad input (status 2): the run failed, and where it can go on from is what matters
+            print(f"rlkit run: error: {e.exception_message.splitlines()[0]}\n"
+                  f"rlkit run: stopped{_where_it_stopped(e, args.out)}\n({where})", file=sys.stderr)
+            return 1
         if e.exception_message is not None and _raised_one_of(e, bad_input):
             # the same line and status one process gives for it (below): it exited 1 after a
             # "worker rank 1 failed (ranks [0] failed too)" preamble, as if the run had crashed
@@ -142,6 +147,16 @@ def main(argv: list[str] | None = None) -> int:
         cause = lines[-1].strip() if lines else "no traceback"
         first = str(e).split("; its traceback:", 1)[0]
         print(f"rlkit run: error: {first}: {cause}\n({where})", file=sys.stderr)
+        return 1
+    except CheckpointSaveError as e:
+        # a checkpoint that could not be written (a full disk): the cause, the last complete
+        # checkpoint and the command that goes on from it, as for Ctrl-C; not DCP's traceback dump
+        # nor rk.fit's notebook hint (before bad_input: a CheckpointError, but not a bad option)
+        from rlkit.checkpoint import _DISK_FULL
+
+        full = " (the disk is full: free space on it before you rerun)" if e.errno in _DISK_FULL else ""
+        print(f"\nrlkit run: error: saving checkpoint {e.path} failed: {e.reason}{full}\n"
+              f"rlkit run: stopped{_where_it_stopped(e, args.out)}\n(RLKIT_TRACEBACK=1 shows the traceback)", file=sys.stderr)
         return 1
     except bad_input as e:
         # a bad option or input: its message names the fix, a traceback would bury it

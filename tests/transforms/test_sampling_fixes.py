@@ -217,7 +217,7 @@ def test_a_b_by_1_numpy_reward_column_scores_as_the_tensor_does():
     as_numpy = rk.score(_text_batch(), lambda completions, **_: np.array(column))["rewards"]
     assert as_numpy.tolist() == as_tensor.tolist() == [1.0, 0.0, 0.5, 0.25]
     assert rk.score(_text_batch(), lambda completions, **_: np.array([1, 0, 1, 1]))["rewards"].tolist() == [1.0, 0.0, 1.0, 1.0]
-    with pytest.raises(rk.RewardError, match="returned 8 values for a batch of 4"):
+    with pytest.raises(rk.RewardError, match=r"returned a tensor of shape \(4, 2\) for a batch of 4 responses"):
         rk.score(_text_batch(), lambda completions, **_: np.ones((4, 2)))
 
 
