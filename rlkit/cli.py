@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "launch":
         return launch_cmd(argv[1:])
     parser = argparse.ArgumentParser(prog="rlkit", description="RL post-training of language models")
+    from rlkit import __version__
+
+    parser.add_argument("--version", action="version", version=f"rlkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("doctor", help="versions, devices, CUDA/NCCL, GPU memory")
     p.add_argument("--json", action="store_true")

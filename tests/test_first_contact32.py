@@ -62,3 +62,11 @@ def test_dashboard_plot_without_matplotlib_names_the_extra(monkeypatch):
     _without(monkeypatch, "matplotlib")
     with pytest.raises(ImportError, match=r"pip install 'rlkit\[notebook\]'"):
         board.plot()
+
+
+def test_rlkit_version_flag(capsys):
+    from rlkit.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"rlkit {rk.__version__}"
