@@ -147,8 +147,9 @@ def fit(
                 except Exception:
                     # a failing sink (a metrics server gone) stops the run, but the step it logged has
                     # trained: its checkpoint, when one is due, is saved first (it was skipped, and a
-                    # resume redid the step). Ctrl-C in a sink stops at once, as everywhere
-                    if checkpointer is not None:
+                    # resume redid the step). Ctrl-C in a sink stops at once, as everywhere. On one
+                    # process only: a save is a collective, and a sink may fail on one rank alone
+                    if checkpointer is not None and not _several_processes():
                         checkpointer.maybe_save(state)
                     raise
                 if checkpointer is not None:
@@ -417,6 +418,12 @@ def _is_live_state(state) -> bool:
     except Exception:  # noqa: BLE001
         return False
     return True
+
+
+def _several_processes() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _scheduler_steps(state) -> int | None:
