@@ -413,6 +413,15 @@ def _check_trl_columns(fn: Callable, data: Sequence[str], where: str = "") -> No
         required = required[1:]  # the completions, passed positionally
     missing = [p.name for p in required if p.name not in given]
     if missing:
+        import difflib
+
+        # a misspelt keyword (prompt for prompts, completion for completions) read as a data column
+        close = difflib.get_close_matches(missing[0], sorted(given), n=1, cutoff=0.8)
+        if close:
+            raise RewardError(
+                f"{where}reward {_name(fn)!r} takes a parameter {missing[0]!r}, which nothing passes: did you mean "
+                f"{close[0]!r}? (rewards receive completions, {', '.join(TRL_KEYWORDS)} and the prompts' data columns "
+                f"by name{', here ' + ', '.join(repr(c) for c in data) if data else ''})")
         has = ", ".join(repr(c) for c in data) if data else "none: prompts given as plain strings carry no columns"
         raise RewardError(
             f"{where}reward {_name(fn)!r} needs the column {missing[0]!r}, which the prompts do not have (their data "

@@ -23,3 +23,12 @@ def test_a_two_column_tensor_is_named_by_its_shape():
 def test_a_dict_is_named_as_a_dict():
     with pytest.raises(rk.RewardError, match=r"returned a dict \(keys \['score'\]\) for a batch of 4 responses"):
         rk.score(_batch(), lambda completions, **kw: {"score": [1.0] * len(completions)})
+
+
+def test_a_misspelt_reward_keyword_gets_a_did_you_mean():
+    # it said "needs the column 'prompt' ... e.g. [{'prompt': ..., 'prompt': ...}]"
+    def singular(completions, prompt, **kw):
+        return [1.0] * len(completions)
+
+    with pytest.raises(rk.RewardError, match=r"takes a parameter 'prompt', which nothing passes: did you mean 'prompts'\?"):
+        rk.score(_batch(), singular)
