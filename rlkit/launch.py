@@ -551,8 +551,7 @@ class _Tail(threading.Thread):
         which may not notice a peer that left; gloo fails at once, and launch reports that)."""
         if self._left_warned:
             return
-        paths = glob.glob(os.path.join(self.run_dir, "workers", "rank*.left"))
-        left = {int(re.search(r"rank(\d+)\.left$", p).group(1)): p for p in paths}
+        left = _left_markers(self.run_dir)
         try:
             since = min(os.path.getmtime(p) for p in left.values()) if left else None
         except OSError:
@@ -893,14 +892,21 @@ def _started_ranks(run_dir: str) -> list[int]:
     return sorted(int(re.search(r"rank(\d+)\.pid$", p).group(1)) for p in paths)
 
 
+def _left_markers(run_dir: str) -> dict[int, str]:
+    """``rank -> path`` of the ``.left`` markers :func:`_worker` writes for a rank that returned
+    from ``fn`` and left without the closing barrier."""
+    paths = glob.glob(os.path.join(run_dir, "workers", "rank*.left"))
+    return {int(re.search(r"rank(\d+)\.left$", p).group(1)): p for p in paths}
+
+
 def _left_ranks(run_dir: str) -> dict[int, list[int]]:
-    """``rank -> the ranks it waited for`` of the ranks that returned from ``fn`` and left without
-    the closing barrier (the ``.left`` markers :func:`_worker` writes)."""
+    """``rank -> the ranks it waited for`` of the ranks that left without the closing barrier
+    (:func:`_left_markers`)."""
     out = {}
-    for path in glob.glob(os.path.join(run_dir, "workers", "rank*.left")):
+    for rank, path in _left_markers(run_dir).items():
         try:
             with open(path, encoding="utf-8") as f:
-                out[int(re.search(r"rank(\d+)\.left$", path).group(1))] = [int(r) for r in f.read().split()]
+                out[rank] = [int(r) for r in f.read().split()]
         except (OSError, ValueError):
             continue
     return out
