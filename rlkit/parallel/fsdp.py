@@ -372,8 +372,10 @@ def _check_full_state_dict(model: nn.Module, state_dict: dict, *, from_rank0: bo
         verdicts = [mine]
         dist.broadcast_object_list(verdicts, src=0)
     else:
-        verdicts = [None] * dist.get_world_size()
-        dist.all_gather_object(verdicts, mine)
+        from rlkit.parallel.agree import gather_checked
+
+        # tagged: a rank that skipped this load pairs the gather with its next collective, named
+        verdicts = gather_checked(mine, "load_full_state_dict")
     bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
     if not bad:
         return
