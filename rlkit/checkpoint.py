@@ -1541,12 +1541,44 @@ class Checkpointer:
         same step already there (e.g. from another run in this directory) is replaced once the
         new one is complete."""
         self._check_ranks_agree("Checkpointer.save")
+        self._refuse_non_finite(state)
         t0 = time.perf_counter()
         path = save(state, self.directory, keep=self.keep, checksum=self.checksum, save_ref=self.save_ref)
         self.last_save_seconds = time.perf_counter() - t0
         self._note(state, path)
         self.last_save_bytes = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) if path.is_dir() else None
         return path
+
+    def _refuse_non_finite(self, state: TrainState) -> None:
+        """Refuse to save trained weights that are not all finite (every rank agrees: one small
+        gather). An update whose step overflowed the weights (a huge learning rate) left a finite
+        loss and gradient norm, and fit saved checkpoint after checkpoint of inf/NaN weights,
+        pruning the good ones with ``keep``. :func:`save` itself still writes what it is given."""
+        bad = []
+        for role in ("actor", "critic"):
+            module = getattr(state, role, None)
+            if module is None:
+                continue
+            count: Any = 0
+            with torch.no_grad():
+                for p in module.parameters():
+                    local = p.to_local() if hasattr(p, "to_local") else p  # FSDP2's DTensor: this rank's shard
+                    if local.is_floating_point():
+                        count = count + (~torch.isfinite(local)).sum()  # one read back below, not one per tensor
+            bad.append(int(count))
+        totals = [sum(c) for c in zip(*_all_gather(bad))] if bad else []
+        roles = [r for r in ("actor", "critic") if getattr(state, r, None) is not None]
+        found = [(r, n) for r, n in zip(roles, totals) if n]
+        if not found:
+            return
+        kept = self.latest()
+        raise CheckpointError(
+            f"Checkpointer: not saving step {state.step}: "
+            + ", ".join(f"the {r} has {n} non-finite weight(s)" for r, n in found)
+            + " (inf or NaN, e.g. an optimizer step that overflowed them: a learning rate far too large)"
+            + (f". The newest good checkpoint, {kept}, is kept" + (f" (keep={self.keep} would have pruned it)" if self.keep else "")
+               + "; resume from it with a smaller learning rate" if kept is not None else "; no checkpoint was saved before")
+        )
 
     def maybe_save(self, state: TrainState) -> Path | None:
         """Call after every step: saves every ``every`` steps, and on SIGTERM saves then exits

@@ -309,3 +309,22 @@ def test_checksums_do_not_need_python_3_11(tmp_path, monkeypatch):
     (tmp_path / "f").write_bytes(data)
     monkeypatch.delattr(hashlib, "file_digest", raising=False)
     assert _sha256(tmp_path / "f") == hashlib.sha256(data).hexdigest()
+
+
+def test_checkpointer_refuses_non_finite_weights_and_keeps_the_good_ones(tmp_path):
+    """An optimizer step that overflowed the weights (lr 3e38) had a finite loss and grad norm: fit
+    then saved checkpoint after checkpoint of inf weights, and keep=2 pruned the good ones."""
+    task = rk.tasks.arithmetic(digits=2, n_train=8, n_test=2)
+    model = rk.models.tiny(task.tokenizer, seed=0, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                           num_key_value_heads=1)
+    state = rk.init(model, rk.optim.adamw(lr=1e-3), tokenizer=task.tokenizer)
+    saver = rk.Checkpointer(tmp_path, every=1, keep=2, save_on_sigterm=False)
+    recipe = rk.recipes.get("grpo").with_(n=2, max_new_tokens=2)
+    state, _ = rk.fit(state, recipe, task.reward, task.train, steps=1, batch_size=2, checkpointer=saver)
+    with torch.no_grad():
+        state.actor.lm_head.weight[0, 0] = float("inf")  # what the overflowing step left
+    with pytest.raises(ck.CheckpointError, match=r"not saving step 2: the actor has 1 non-finite weight\(s\).*The newest "
+                                                 r"good checkpoint, .*step_000001, is kept \(keep=2 would have pruned it\)"):
+        saver.save(state.replace(step=2))
+    assert [p.name for _, p in ck.list_checkpoints(tmp_path)] == ["step_000001"]
+    ck.save(state, tmp_path / "direct")  # rlkit.checkpoint.save itself writes what it is given
