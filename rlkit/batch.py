@@ -23,6 +23,8 @@ policy_version      (b)       long   version of the weights that sampled the row
 temperature         (b)       f32    temperature the row's ``logprobs`` are at (1.0: greedy)
 logprobs_filtered   (b)       bool   ``logprobs`` are of a top-k/top-p filtered distribution
 rollout_row         (b)       long   which rollout call sampled the row, and which row of it
+reward_baselines    (b)       f32    a baseline reward per row (ReMax: the greedy response's)
+reward/<name>       (b)       f32    each named reward function's own score (``rk.score``)
 ==================  ========  =====  =========================================================
 
 Non-tensor columns (``prompt_text``, ``response_text`` and any per-prompt data such as

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from rlkit._checks import int_at_least
 from rlkit.data import PromptSet, load_prompts, prompt_fingerprint
-from rlkit.observe.sinks import as_sinks, broadcast, end_after_error, end_all, rewind_all
+from rlkit.observe.sinks import as_sinks, broadcast, end_after_error, end_all, rewind_all, step_row
 
 #: ``state.extras`` key of the batch size that ``state.data_position`` counts batches of
 BATCH_SIZE_KEY = "fit/batch_size"
@@ -137,11 +137,11 @@ def fit(
                     except BaseException:
                         # Ctrl-C in a slow evaluation (or an eval_fn error) after the step trained: its
                         # training metrics are kept and logged, as exc.state is this step's state
-                        history.append({"step": state.step, **metrics})
+                        history.append(step_row(state.step, metrics))
                         broadcast(sinks, state.step, metrics)
                         raise
                     metrics.update({f"eval/{k}": v for k, v in evaluated.items()})
-                history.append({"step": state.step, **metrics})
+                history.append(step_row(state.step, metrics))
                 try:
                     broadcast(sinks, state.step, metrics)
                 except Exception:

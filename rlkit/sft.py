@@ -15,7 +15,7 @@ import torch
 from rlkit._checks import check_context, int_at_least, model_of, tokenizer_of
 from rlkit.batch import make_batch
 from rlkit.models.tokenizers import check_known_characters, encode_prompt
-from rlkit.observe.sinks import CallbackSink, as_sinks, broadcast, end_after_error, end_all
+from rlkit.observe.sinks import CallbackSink, as_sinks, broadcast, end_after_error, end_all, step_row
 from rlkit.optim import adamw
 
 
@@ -64,8 +64,8 @@ def warmup(
     example drawn is checked (one never drawn is not).
 
     The optimizer is AdamW without weight decay; ``lr`` is the peak of its schedule: a linear
-    warm-up over ``min(warmup_steps, steps)`` steps, then a cosine decay to ``0.1 * lr`` at
-    ``steps``. Gradients are clipped to a total norm of 1.0. ``sft/lr`` is the learning rate the
+    warm-up over ``min(warmup_steps, steps)`` steps, then a cosine decay towards ``0.1 * lr``,
+    reached after the last step. Gradients are clipped to a total norm of 1.0. ``sft/lr`` is the learning rate the
     step trained with.
 
     ``sinks`` (as :func:`rlkit.fit`'s: a progress bar, a notebook dashboard, a JSONL file) and
@@ -127,7 +127,7 @@ def warmup(
             optimizer.step()
             scheduler.step()
             metrics = {"sft/loss": float(loss.detach()), "sft/lr": lr_used}
-            history.append({"step": step + 1, **metrics})
+            history.append(step_row(step + 1, metrics))
             broadcast(sinks, step + 1, metrics)
     except BaseException as exc:
         end_after_error(exc, sinks, len(history), "warmup")  # the dashboard draws the step it stopped at

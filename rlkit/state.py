@@ -93,7 +93,8 @@ class TrainState:
     - ``tokenizer``: tokenizer of the actor (token in, token out; used to decode for rewards).
     - ``ref``: frozen reference policy for KL, or None.
     - ``critic`` / ``critic_optimizer`` / ``critic_scheduler``: value model for PPO, or None.
-    - ``step``: number of completed ``update`` calls; ``policy_version``: version of the actor's
+    - ``step``: number of completed training steps (``update`` calls; a recipe step that trains
+      nothing, such as DAPO's after every group was filtered out, counts too); ``policy_version``: version of the actor's
       weights: bumped by one by every ``update`` that took at least one optimizer step (however
       many mini-batch steps it took), stamped on every rollout row; an engine whose version lags
       the state's is re-synced. The optimizer's own step count is ``scheduler.last_epoch``.

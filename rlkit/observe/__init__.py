@@ -5,7 +5,7 @@ never imports ipywidgets, matplotlib, wandb or prometheus-client: ``rk.observe.n
 ``rk.observe.console.ConsoleSink``, ``rk.observe.wandb_sink`` and ``rk.observe.prometheus``.
 
 ``rk.observe.samples(batch, k)`` is a few rows of a scored batch as ``{"prompt", "response",
-"reward"}`` dicts: the ``samples`` metric a recipe's ``log_samples=k`` adds to each step, which
+"reward"}`` dicts (plus ``"advantage"`` where the batch has advantages): the ``samples`` metric a recipe's ``log_samples=k`` adds to each step, which
 the dashboard, the console (``samples_every``) and wandb show as a table.
 """
 import importlib

@@ -201,6 +201,12 @@ def _metric_items(metrics: dict[str, Any]):
     return ((k, v) for k, v in metrics.items() if k != "step")
 
 
+def step_row(step: Any, metrics: dict[str, Any]) -> dict[str, Any]:
+    """A logged row: ``{"step": step, **metrics}`` where the step wins over a metric named
+    ``"step"`` (as every sink keeps it; a metric of that name used to overwrite a history's step)."""
+    return {"step": step, **dict(_metric_items(metrics))}
+
+
 def _step_of(row: Any) -> float | None:
     """The step of a logged row (a dict), or None when it has no numeric step."""
     step = row.get("step") if isinstance(row, dict) else None
@@ -340,7 +346,7 @@ class ListSink:
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         # a numpy or tensor step (a loop over np.arange) as the int it holds, as JSONLSink keeps it:
         # kept as it came, rewind took it for a row without a step and dropped nothing
-        self.history.append({"step": _json_ready(step), **dict(_metric_items(metrics))})
+        self.history.append(step_row(_json_ready(step), metrics))
 
     def rewind(self, step: int) -> None:
         """Forget this run's rows of steps after ``step`` (the resumed run logs them again); an
