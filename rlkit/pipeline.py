@@ -381,19 +381,18 @@ class Plan:
         roles = state._cache["split"]
         weights, report = gather_weights(state.actor, split(roles.actor_ranks, roles.rollout_ranks, dtype=self.rollout_dtype))
         engine = state._cache.get("engine")
-        if engine is not None:
-            engine.load_weights(weights, version=state.policy_version)
+        loaded = engine.load_weights(weights, version=state.policy_version) if engine is not None else None
         self.reports.append(report)
-        return {"bytes": float(report.bytes), "seconds": float(report.seconds)}
+        return _sync_report(report, loaded, engine)
 
     def _weight_sync(self, state: TrainState, engine) -> dict[str, float]:
         from rlkit.parallel import gather_weights, replicated, tensor_parallel
 
         layout = tensor_parallel(self.tp, dtype=self.rollout_dtype) if self.tp > 1 else replicated(dtype=self.rollout_dtype)
         weights, report = gather_weights(state.actor, layout)
-        engine.load_weights(weights, version=state.policy_version)
+        loaded = engine.load_weights(weights, version=state.policy_version)
         self.reports.append(report)
-        return {"bytes": float(report.bytes), "seconds": float(report.seconds)}
+        return _sync_report(report, loaded, engine)
 
     def step(self, state: TrainState, prompts: Prompts):
         """One iteration of the pipeline's step on this process's share of the work."""
@@ -425,6 +424,19 @@ class Plan:
         # before the first step) and compares its settings across ranks; a bare function is wrapped
         recipe = step if callable(getattr(step, "step", None)) else SimpleNamespace(step=self.pipeline._fn())
         return fit(state, recipe, self.reward(state), prompts, steps=steps, batch_size=batch_size, **kwargs)
+
+
+def _sync_report(report, loaded, engine) -> dict[str, float]:
+    """What a lowered weight sync reports: zeros under the engine's declared ``sync_keys``, the
+    engine's own ``load_weights`` report over them (``fused_bytes``, ``buckets``), and the
+    collective's ``bytes`` and ``seconds`` over those; a step that syncs logs the same ``sync/*``
+    keys as one that does not (:func:`rlkit.transforms.rollout._no_sync`), on every rank and
+    placement. The engine's figures had been dropped: step 1 logged ``sync/fused_bytes`` (no
+    sync: the declared keys) and later steps did not."""
+    out = {k: 0.0 for k in getattr(engine, "sync_keys", ("bytes", "seconds"))}
+    out.update({k: float(v) for k, v in (loaded or {}).items()})
+    out.update(bytes=float(report.bytes), seconds=float(report.seconds))
+    return out
 
 
 def _progress(model, optimizer, scheduler):

@@ -355,7 +355,7 @@ def _split_rollout(state: TrainState, prompts: Prompts, params: SamplingParams, 
     import torch.distributed as dist
 
     cache, roles = state._cache, state._cache["split"]
-    sync = {"sync/bytes": 0.0, "sync/seconds": 0.0}  # the keys of Pipeline._split_sync's report
+    sync = _no_sync(cache.get("engine"))  # the keys of Pipeline._split_sync's report: the engine's sync_keys
     if cache.get("synced_version") != state.policy_version:
         sync = {f"sync/{k}": v for k, v in cache["split_sync"](state).items()}  # collective
         cache["synced_version"] = state.policy_version
