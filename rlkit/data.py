@@ -12,6 +12,7 @@ import operator
 import os
 import reprlib
 import sys
+import warnings
 from collections import abc
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
@@ -486,7 +487,8 @@ def load_prompts(
     ``ground_truth``, ``data_source``...) becomes a column that reward functions receive by name.
     A prompt with characters the tokenizer encodes as its unknown token is an error naming the
     row and the characters; one longer than ``max_prompt_tokens`` is an error naming it, unless
-    ``truncate=True`` (keeps the last tokens). Errors about a row from a file name the file and
+    ``truncate=True`` (keeps the last tokens; a text prompt's ``text`` becomes the kept tokens' text,
+    a conversation keeps its messages, with a warning). Errors about a row from a file name the file and
     the line.
     """
     if max_prompt_tokens is not None:
@@ -504,6 +506,7 @@ def load_prompts(
     from rlkit.models.tokenizers import check_known_characters
 
     text, ids, messages = [], [], []
+    cut_conversations: list[int] = []
     columns: dict[str, list[Any]] = {}
     keys = None
     for n, row in enumerate(rows):
@@ -544,6 +547,12 @@ def load_prompts(
             if not truncate:
                 raise DataError(f"{where} has {len(tok)} tokens, over max_prompt_tokens={max_prompt_tokens} ({str(value)[:60]!r}...); raise the limit or pass truncate=True")
             tok = tok[-max_prompt_tokens:]
+            if isinstance(value, str):
+                # the text the model sees: the kept tokens' (a reward and the sample tables got the
+                # whole prompt, text the model never saw)
+                value = tokenizer.decode(tok, skip_special_tokens=True)
+            else:
+                cut_conversations.append(n)
         others = {k: v for k, v in row.items() if k != prompt_key}
         if keys is None:
             reserved = reserved_names(others)
@@ -563,6 +572,12 @@ def load_prompts(
         # (a text prompt may be JSON); its messages copied as plain dicts, apart from the source's
         messages.append([dict(m) for m in value] if isinstance(value, list) else None)
         ids.append(tok)
+    if cut_conversations:
+        warnings.warn(
+            f"load_prompts: {len(cut_conversations)} chat conversation(s) (row(s) {cut_conversations[:5]}) were cut to their "
+            f"last max_prompt_tokens={max_prompt_tokens} tokens, the chat template's start included; their messages (what "
+            "TRL-style rewards get) and text still hold the whole conversation. Raise max_prompt_tokens or shorten them",
+            RuntimeWarning, stacklevel=2)
     return PromptSet(text, ids, columns, messages if any(m is not None for m in messages) else None)
 
 

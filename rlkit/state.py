@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import operator
 import warnings
 import weakref
 from dataclasses import dataclass, field, fields
@@ -394,9 +395,29 @@ def _cache_after(cache: dict, changed: list[str]) -> dict:
 
 
 def fold_in(seed: int, *path: int | str) -> int:
-    """Derive a 63-bit key from a root seed and a path (JAX's ``fold_in``, by hashing)."""
-    h = hashlib.blake2b(repr((int(seed),) + tuple(path)).encode(), digest_size=8)
+    """Derive a 63-bit key from a root seed and a path (JAX's ``fold_in``, by hashing).
+
+    ``seed`` and the path's numbers are integers of any kind (Python, numpy, a 0-d torch tensor),
+    keyed by their value: ``fold_in(1, np.int64(3)) == fold_in(1, 3)`` (the key hashed their repr,
+    so equal numbers gave different keys); path items are those or strings. Anything else (a float,
+    None) is a ``TypeError``."""
+    h = hashlib.blake2b(repr((_key_int(seed, "seed"),) + tuple(_key_part(p, i) for i, p in enumerate(path))).encode(),
+                        digest_size=8)
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
+def _key_int(value: Any, what: str) -> int:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() and not value.is_complex():
+        value = value.item()
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"fold_in: {what} must be an integer, got {type(value).__name__} {value!r:.40}; "
+                        "pass int(...) of it (a float is refused: 3.0 and 3.5 would need a rule)") from None
+
+
+def _key_part(value: Any, i: int) -> int | str:
+    return value if isinstance(value, str) else _key_int(value, f"path item {i}")
 
 
 def _checked_device(device: torch.device | str, where: str = "") -> torch.device:

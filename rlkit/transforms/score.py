@@ -759,6 +759,7 @@ def score(
     tokenizer: Any = None,
 ) -> Batch:
     """Score every response; returns a new Batch with ``rewards (b)`` and ``reward/<name> (b)``
+    for these reward functions (an earlier score's ``reward/*`` columns are dropped)
     (and, where a TRL-style reward called ``log_metric``, the values it logged in the batch's
     ``rollout_metrics``: the module docstring says what TRL's keywords get).
 
@@ -787,6 +788,10 @@ def score(
     completions = text(batch, "response_text", tokenizer)
     prompts = text(batch, "prompt_text", tokenizer)
     out = shallow_copy(batch)
+    # an earlier score's per-function columns go: a batch scored again (another reward, to compare)
+    # kept them, and reward metrics and sample tables reported a function that made no part of rewards
+    for stale in [k for k in out.keys() if isinstance(k, str) and k.startswith("reward/")]:
+        del out[stale]
     total = torch.zeros(batch.batch_size[0])
     scored = torch.zeros(batch.batch_size[0], dtype=torch.bool)
     logged: dict[str, list[float]] = {}  # what TRL-style rewards give log_metric
