@@ -196,12 +196,17 @@ def gloo(grad_numel: int, reps: int = 100) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--threads", type=int, default=2, help="threads of the one-process measurements")
     ap.add_argument("--repeats", type=int, default=20, help="timed updates per micro-batch count, timed steps per process")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", nargs=3, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    for flag, value in (("--threads", args.threads), ("--repeats", args.repeats)):
+        if value < 1:
+            ap.error(f"{flag} must be >= 1, got {value}")
+    if args.json and (os.path.isdir(args.json) or not os.path.isdir(os.path.dirname(os.path.abspath(args.json)))):
+        ap.error(f"--json {args.json}: give a file path in a folder that exists")
     if args.child:
         return _step_child(*args.child)
     torch.set_num_threads(args.threads)

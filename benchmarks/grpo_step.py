@@ -598,7 +598,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=None, help="timed steps after the warm-up step(s)")
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--compare", choices=["trl"], default=None)
-    ap.add_argument("--trl-steps", type=int, default=None)
+    ap.add_argument("--trl-steps", type=int, default=None,
+                    help="TRL steps to run (>= 2: the first, cold one is not in the median)")
     ap.add_argument("--variants", action="store_true", help="GPU: time engine and log-prob variants")
     ap.add_argument("--check", action="store_true", help="GPU: compare fast paths with plain ones first")
     ap.add_argument("--configs", action="store_true",
@@ -609,7 +610,7 @@ def main(argv=None) -> dict:
                          "log-prob passes' times and the update's TFLOP/s; --configs includes them)")
     ap.add_argument("--configs-budget-s", type=float, default=400.0,
                     help="skip --configs when the run has already taken longer than this")
-    ap.add_argument("--engine-only", action="store_true", help="with --variants: time the engine variants only, then stop")
+    ap.add_argument("--engine-only", action="store_true", help="with --variants on a GPU: time the engine variants only, then stop")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", default=None, help="also write the result JSON here")
     ap.add_argument("--profile", metavar="TRACE.json.gz", default=None,
@@ -627,13 +628,25 @@ def main(argv=None) -> dict:
         ap.error("--rounds needs --compare trl")
     if args.rounds < 0:
         ap.error(f"--rounds must be >= 0, got {args.rounds}")
-    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--trl-steps", args.trl_steps, 1),
+    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--trl-steps", args.trl_steps, 2),
                                ("--threads", args.threads, 1)):
         if value is not None and value < least:
             ap.error(f"{flag} must be >= {least}, got {value}")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         # found before the run, not after it: the figures would be printed but not written
         ap.error(f"--json {args.json}: its folder does not exist; create it or pass another path")
+    if args.json and os.path.isdir(args.json):
+        ap.error(f"--json {args.json} is a folder; give a file path (e.g. {os.path.join(args.json, 'result.json')})")
+    if args.engine_only and not args.variants:
+        # it timed nothing and exited 0
+        ap.error("--engine-only stops after the engine variants, so it needs --variants (a GPU run)")
+    if args.engine_only and (args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())):
+        ap.error("--engine-only times the GPU engine variants (--variants); on the CPU it would time nothing")
+    if args.device != "auto":
+        try:
+            torch.device(args.device)
+        except RuntimeError:
+            ap.error(f"--device {args.device}: not a device; use cpu, cuda or cuda:N")
     if args.device not in ("auto", "cpu") and torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: this torch has no CUDA device ({torch.__version__}); use --device cpu")
     started = time.perf_counter()

@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 
 
 def doctor_report() -> dict:
@@ -129,8 +131,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # a bad option or input (its message names the fix): status 2, in this process or in a worker
     bad_input = (ValueError, CheckpointError)
+    # SIGTERM outside the Checkpointer's watch (the warm-up, the evaluations): the process died
+    # with status 143 and no word, so a preemption wrapper could not tell that nothing was saved
+    previous = _on_sigterm_raise()
     try:
         return args.fn(args)
+    except _SigtermOutsideSave as e:
+        print(f"\nrlkit run: stopped by SIGTERM{_where_it_stopped(e, args.out)}", file=sys.stderr)
+        return e.code
     except WorkerError as e:
         # a worker of --nproc-per-node N failed: its exception's line, not the whole traceback of
         # the launcher's wrapper around it; that stays in the launch's run directory
@@ -176,6 +184,28 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated as e:  # SIGTERM to `rlkit run --nproc-per-node N`: the workers saved, each as one process does
         print(f"\nrlkit run: stopped by SIGTERM{_where_it_stopped(e, args.out)}", file=sys.stderr)
         return e.code
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _SigtermOutsideSave(SystemExit):
+    """SIGTERM to ``rlkit run`` where no Checkpointer is armed (exit status 143)."""
+
+    def __init__(self):
+        super().__init__(128 + signal.SIGTERM)
+
+
+def _on_sigterm_raise():
+    """Make SIGTERM raise :class:`_SigtermOutsideSave` (a Checkpointer arms its own handler over it
+    during training and falls back to it); returns the previous handler, None off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def raise_stop(signum, frame):
+        raise _SigtermOutsideSave()
+
+    return signal.signal(signal.SIGTERM, raise_stop)
 
 
 def _raised_one_of(error, classes: tuple[type, ...]) -> bool:

@@ -112,6 +112,9 @@ def _options(options: dict[str, Any] | None) -> argparse.Namespace:
     for key in positive:
         if merged[key] < 1:
             raise ValueError(f"option {key!r} must be >= 1, got {merged[key]}")
+    if not 0 <= merged["seed"] < 2**63:
+        # rk.init refused it only after the whole warm-up (a number past 64 bits as "Overflow when unpacking long long")
+        raise ValueError(f"option 'seed' (--seed) must be in [0, 2**63), got {merged['seed']}")
     if merged["sft_steps"] < 0:
         raise ValueError(f"option 'sft_steps' must be >= 0, got {merged['sft_steps']}")
     # checked here, before the warm-up, rather than by fit() / the Checkpointer after it
@@ -545,7 +548,9 @@ def run_task(task_name: str, options: dict[str, Any] | None = None) -> dict[str,
     try:
         state, history = fit(
             state, recipe, task.reward, task.train, steps=opts.steps, batch_size=opts.batch_size, sinks=sinks,
-            eval_fn=lambda s: {"accuracy": accuracy(s.actor, s)}, eval_every=opts.eval_every, checkpointer=checkpointer,
+            # --eval-every 0: no evaluation during RL (the job measures the accuracy after it)
+            eval_fn=(lambda s: {"accuracy": accuracy(s.actor, s)}) if opts.eval_every else None, eval_every=opts.eval_every,
+            checkpointer=checkpointer,
         )
         if checkpointer is not None and not history and _keeps_no_checkpoint(opts.out, resume_from, state):
             # fit saves the final state only after a step: a run that trains none (resumed at --steps
