@@ -132,3 +132,13 @@ def check_token_ids(batch, model, where: str) -> None:
                 f"{where}: batch[{key!r}] holds token id {int(ids[row, col])} (row {row}), outside the model's vocabulary "
                 f"[0, {vocab}); were these ids made by another tokenizer than the model's? (rk.models.tiny(tokenizer) "
                 "sizes the vocabulary to its tokenizer; a loaded model needs the tokenizer saved with it)")
+
+
+def check_switch(value, name: str, meaning: str) -> bool:
+    """``value`` as a bool: True or False (a numpy bool too), else a ``ValueError`` naming
+    ``name``, as ``SamplingParams.ignore_stop`` is checked: a truthy string such as ``"no"`` (from a
+    config file or the command line) ran as True, and 0/1 are refused alike. ``meaning`` says what
+    True does."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool")):
+        return bool(value)
+    raise ValueError(f"{name} must be True or False ({meaning}), got {type(value).__name__} {value!r}")

@@ -271,12 +271,19 @@ def row_tokens(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
 def set_column(batch: Batch, name: str, values: Sequence[Any]) -> None:
     """Attach a non-tensor per-row column (text, answers, metadata), or replace one.
 
+    ``values``: one per row, a list (or any iterable but a string: ``"ab"`` is refused, not split
+    into ``'a'`` and ``'b'``).
+
     ``name`` may be any string but the batch's tensor fields (:data:`FIELDS`), ``reward/...`` and
     the keywords ``rk.score`` passes reward functions (:func:`check_column_names`): a column of
     that name would replace the tensor (or collide with the keyword). The text columns
     (``prompt_text``, ``response_text``), ``prompt_messages`` and ``rollout_metrics`` are the
     batch's own and settable."""
     check_column_names([name], "set_column", allow=(*TEXT_FIELDS, PROMPT_MESSAGES, "rollout_metrics"))
+    if isinstance(values, (str, bytes)):
+        # list("ab") is two values: a 2-row batch stored 'a' and 'b' without a word
+        raise BatchError(f"column {name!r}: values must be a list with one value per row, got the {type(values).__name__} "
+                         f"{values!r:.40}; for the same value on every row pass [value] * {batch.batch_size[0]}")
     values = list(values)
     if len(values) != batch.batch_size[0]:
         raise BatchError(f"column {name!r} has {len(values)} values but the batch has {batch.batch_size[0]} rows")
@@ -308,11 +315,12 @@ def _kind(t: torch.Tensor) -> str:
     return "int"
 
 
-def validate(batch: Batch, require: Iterable[str] = ()) -> Batch:
+def validate(batch: Batch, require: str | Iterable[str] = ()) -> Batch:
     """Check a Batch's structure; raise :class:`BatchError` naming the bad field.
 
     Checks: ``batch`` is a TensorDict with one batch dimension; every field in ``require`` is
-    present (e.g. ``("rewards",)`` before ``advantage``); the batch has at least one row; each
+    present (e.g. ``("rewards",)`` before ``advantage``; a single name may be given as a string,
+    ``require="rewards"``); the batch has at least one row; each
     field of :data:`FIELDS` that is present is a tensor of its rank and dtype kind, its width
     equal to ``prompt_ids``' (prompt fields) or ``response_ids``' (response-aligned fields);
     ``rewards`` are finite; and ``response_mask`` is not all False. Returns the batch so calls can
@@ -344,6 +352,8 @@ def validate(batch: Batch, require: Iterable[str] = ()) -> Batch:
             "prompts or responses per step, or check the filter and the reward"
         )
     keys = set(batch.keys())
+    if isinstance(require, str):
+        require = (require,)  # one field's name: "rewards" was read as the names 'r', 'e', 'w', ...
     for name in require:
         if name not in keys:
             raise BatchError(f"batch has no field {name!r} (fields: {sorted(keys)}); {_how_to_get(name)}")

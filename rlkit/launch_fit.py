@@ -150,9 +150,11 @@ def _checked(target, args: tuple, kwargs: dict, launch_options: dict):
         raise TypeError("launch: with a plan, the keywords go to plan.fit (and lower= to Pipeline.lower): " + "; ".join(said))
     # the same checks fit makes before its first step, here and not after N workers have started
     inspect.signature(fit).bind(state, pipeline.step, pipeline.reward, prompts, **kwargs)
-    from rlkit._checks import int_at_least
+    from rlkit._checks import check_switch, int_at_least
 
     int_at_least(kwargs["steps"], "launch: steps", 0, " (the step count to reach)")
+    if "shuffle" in kwargs:
+        check_switch(kwargs["shuffle"], "launch: shuffle", "True: each epoch's batches from a new random order of the prompts")
     prompts = _checked_run(state, prompts, kwargs["steps"], kwargs["batch_size"], kwargs.get("eval_every", 0), kwargs.get("eval_fn"))
     _check_shape(options, kwargs["batch_size"], _world(launch_options))
     if state.step < kwargs["steps"]:

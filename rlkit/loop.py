@@ -10,7 +10,7 @@ import time
 import warnings
 from typing import Any, Callable, Iterable, Mapping
 
-from rlkit._checks import int_at_least
+from rlkit._checks import check_switch, int_at_least
 from rlkit.data import PromptSet, load_prompts, prompt_fingerprint
 from rlkit.observe.sinks import as_sinks, broadcast, end_after_error, end_all, rewind_all, step_row
 
@@ -54,8 +54,10 @@ def fit(
     kept with the position too: resumed on other prompts, ``fit`` warns (``RuntimeWarning``) and
     goes on at the same position of the new set.
 
-    ``eval_fn(state) -> {"accuracy": ...}`` runs every ``eval_every`` steps and after the last step
-    (``eval_every=0``: never); ``checkpointer.maybe_save(state)`` is called after every step when
+    ``eval_fn(state) -> {"accuracy": ...}`` runs every ``eval_every`` steps and after the last step;
+    the two go together (``eval_every=0``, the default, with ``eval_fn=None``: no evaluation; one
+    without the other is a ``ValueError``). ``shuffle``: True or False (a string such as ``"no"`` is
+    refused). ``checkpointer.maybe_save(state)`` is called after every step when
     given, and the last step is saved too (``Checkpointer.save_final``, whatever its ``every``, 0
     included), so a finished run resumes finished instead of redoing the steps since its last
     periodic checkpoint (or the whole run). ``recipe`` may be a name (``"grpo"``:
@@ -89,6 +91,7 @@ def fit(
     that names the stop and carries the same latest state as its ``.state``.
     """
     state, recipe, sinks = _check_fit_args(state, recipe, reward, steps, sinks, checkpointer)
+    shuffle = check_switch(shuffle, "fit: shuffle", "True: each epoch's batches from a new random order of the prompts")
     history: list[dict[str, float]] = []
     prompts = _checked_run(state, prompts, steps, batch_size, eval_every, eval_fn)
     _check_reward_inputs(state, recipe, reward, prompts)
@@ -342,6 +345,10 @@ def _checked_run(state, prompts, steps: int, batch_size: int, eval_every: int, e
     int_at_least(eval_every, "eval_every", 0, " (0: no evaluation)")
     if eval_every and eval_fn is None:
         raise ValueError(f"eval_every={eval_every} asks for evaluation but eval_fn is None; pass eval_fn=lambda state: {{...}} or eval_every=0")
+    if eval_fn is not None and not eval_every:
+        # the opposite mistake: the run finished without a single evaluation, and without a word
+        raise ValueError(f"eval_fn is given but eval_every={eval_every!r} (never): pass eval_every=N to evaluate every N steps "
+                         "and after the last (eval_every=steps: only after the last), or drop eval_fn")
     if not hasattr(prompts, "batch_at"):
         if state.tokenizer is None:
             raise TypeError(f"prompts is a {type(prompts).__name__} and the state has no tokenizer to read it with; "

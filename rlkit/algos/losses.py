@@ -171,6 +171,15 @@ def _clip_bounds(clip_ratio: float, clip_ratio_low: float | None, clip_ratio_hig
     return low, high
 
 
+def _check_token_fraction(value, loss: str, name: str, meaning: str) -> None:
+    """Raise ``ValueError`` naming ``loss`` and ``name`` unless ``value`` is a number in ``(0, 1]``:
+    ``k = int(value * #valid tokens)`` is a count of tokens, and a ratio above 1 asked for more
+    tokens than there are (``kl_cov``'s top-k failed with "selected index k out of range")."""
+    if not is_real(value) or not 0 < value <= 1:
+        raise ValueError(f"{loss}: {name} must be a number in (0, 1] ({meaning}; at least one token per call), "
+                         f"got {value!r}; e.g. loss_kw={{{name!r}: 0.0002}}")
+
+
 def _zero(ref: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=ref.dtype, device=ref.device)
 
@@ -468,8 +477,7 @@ def clip_cov(
     fraction of dropped tokens, ``approx_kl``.
     """
     _check_policy_inputs(logprobs, old_logprobs, advantages, response_mask)
-    if not clip_cov_ratio > 0:
-        raise ValueError(f"clip_cov_ratio must be > 0, got {clip_cov_ratio}")
+    _check_token_fraction(clip_cov_ratio, "clip_cov", "clip_cov_ratio", "the fraction of valid tokens whose gradient is dropped")
     low, high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high, "clip_cov")
     valid = response_mask.bool()
     log_ratio = logprobs - old_logprobs
@@ -535,8 +543,11 @@ def kl_cov(
     (``mean[-d]``), ``abs_kl = mean|d|`` (what verl reports as ``ppo_kl`` for this loss).
     """
     _check_policy_inputs(logprobs, old_logprobs, advantages, response_mask)
-    if not kl_cov_ratio > 0:
-        raise ValueError(f"kl_cov_ratio must be > 0, got {kl_cov_ratio}")
+    _check_token_fraction(kl_cov_ratio, "kl_cov", "kl_cov_ratio", "the fraction of valid tokens given the KL term")
+    if not is_real(ppo_kl_coef) or not 0 <= ppo_kl_coef < math.inf:
+        # a negative coefficient rewarded moving away from the old policy on the chosen tokens; NaN poisoned the loss
+        raise ValueError(f"kl_cov: ppo_kl_coef must be a finite number >= 0 (the weight of |logp - logp_old| on the "
+                         f"chosen tokens; 0: no penalty), got {ppo_kl_coef!r}; e.g. loss_kw={{'ppo_kl_coef': 0.1}}")
     valid = response_mask.bool()
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)

@@ -97,7 +97,7 @@ class Recipe:
     def __post_init__(self):
         # checked when the recipe is built (rk.recipes.get, with_), not at its first rollout
         from rlkit.engines.base import SamplingParams
-        from rlkit.transforms.update import _resolve_kl
+        from rlkit.transforms.update import LOSS_SCALE_GROWTH_INTERVAL, _resolve_kl
 
         name = type(self).__name__
         if isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool) and self.temperature <= 0:
@@ -121,6 +121,10 @@ class Recipe:
                 int_at_least(getattr(self, field_name), f"{name}.{field_name}", 1, " or None")
         int_at_least(self.epochs, f"{name}.epochs", 1)
         int_at_least(self.log_samples, f"{name}.log_samples", 0, " (rows shown per step as the 'samples' metric; 0: none)")
+        # 0, -5, 2.5 or "100" used to pass here and fail inside the first update, after its rollout and scoring
+        int_at_least(self.loss_scale_growth_interval, f"{name}.loss_scale_growth_interval", 1,
+                     " (finite float16 steps in a row before the loss scale doubles; GradScaler's is "
+                     f"{LOSS_SCALE_GROWTH_INTERVAL})")
         # a negative norm used to be accepted and turned every update into gradient ascent
         positive_finite_or_none(self.max_grad_norm, f"{name}.max_grad_norm", "no clipping")
         # names too: a misspelt loss, option or aggregation used to surface after the first rollout

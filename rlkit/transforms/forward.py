@@ -11,6 +11,17 @@ import torch
 
 from rlkit._checks import check_context, check_token_ids, context_limit, int_at_least
 from rlkit.batch import Batch, shallow_copy, validate
+from rlkit.state import TrainState
+
+
+def check_state(state, where: str) -> None:
+    """Raise ``TypeError`` naming ``where`` unless ``state`` is a :class:`rlkit.TrainState`, as
+    :func:`rlkit.rollout` and :func:`rlkit.update` do ("expects a TrainState first"). A model
+    (``state.actor``) failed later with ``'Qwen2ForCausalLM' object has no attribute 'actor'``."""
+    if not isinstance(state, TrainState):
+        hint = (" (a model: pass the state itself, not state.actor)"
+                if isinstance(state, torch.nn.Module) else "")
+        raise TypeError(f"{where} expects a TrainState first (from rk.init), got {type(state).__name__}{hint}")
 
 
 def check_micro_batch_size(micro_batch_size, where: str) -> None:
@@ -199,6 +210,7 @@ def compute_old_logprobs(state, batch: Batch, *, temperature: float | None = Non
     in one pass. A batch of 0 rows (:func:`rlkit.validate`), or with a row longer than the
     model's context, is refused before any work; so are :func:`compute_ref_logprobs`' and
     :func:`compute_values`'."""
+    check_state(state, "compute_old_logprobs")
     validate(batch, require=_INPUTS)
     check_micro_batch_size(micro_batch_size, "rk.compute_old_logprobs")
     check_batch_context(state.actor, batch, "rk.compute_old_logprobs")
@@ -221,6 +233,7 @@ def compute_ref_logprobs(state, batch: Batch, *, temperature: float | None = Non
     ``temperature``: None (the default) is the batch's recorded sampling temperature (its
     ``temperature`` column; 1.0 without one), the one :func:`rlkit.update` computes the policy's
     log-probs at by default; see :func:`compute_old_logprobs` (``micro_batch_size`` too)."""
+    check_state(state, "compute_ref_logprobs")
     validate(batch, require=_INPUTS)
     check_micro_batch_size(micro_batch_size, "rk.compute_ref_logprobs")
     if state.ref is None:
@@ -245,6 +258,7 @@ def compute_values(state, batch: Batch, *, micro_batch_size: int | None = None) 
     :func:`compute_old_logprobs`."""
     from rlkit.models.logprobs import values_for_response
 
+    check_state(state, "compute_values")
     validate(batch, require=_INPUTS)
     check_micro_batch_size(micro_batch_size, "rk.compute_values")
     if state.critic is None:

@@ -16,12 +16,13 @@ from typing import Any, Sequence
 
 import torch
 
-from rlkit._checks import check_seed, context_limit, is_int, output_vocab
+from rlkit._checks import check_seed, check_switch, context_limit, is_int, output_vocab
 from rlkit.batch import PROMPT_MESSAGES, ROLLOUT_ROW, ROW_BITS, Batch, check_same_fields, row_tokens, set_column, shallow_copy
 from rlkit.data import Prompts, as_prompts, check_padding
 from rlkit.engines.base import Engine, SamplingParams
 from rlkit.state import TrainState, fold_in, generator
-from rlkit.transforms.forward import TEMPERATURE  # the per-row float field of the temperature the logprobs are at
+# TEMPERATURE: the per-row float field of the temperature the logprobs are at
+from rlkit.transforms.forward import TEMPERATURE
 
 ENGINES = ("torch", "hf", "vllm")
 
@@ -151,6 +152,7 @@ def rollout(
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"rollout expects a TrainState first (from rk.init), got {type(state).__name__}")
+    decode = check_switch(decode, "rollout: decode", "True: the responses' text in response_text; False: token ids only")
     tokenizer = state.tokenizer
     prompts = as_prompts(prompts, tokenizer)
     if len(prompts) == 0:

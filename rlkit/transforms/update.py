@@ -47,7 +47,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from rlkit._checks import check_token_ids, int_at_least, is_int, is_real, positive_finite_or_none
+from rlkit._checks import check_switch, check_token_ids, int_at_least, is_int, is_real, positive_finite_or_none
 from rlkit.algos.kl import check_kl_fn, kl_penalty
 from rlkit.algos.losses import POLICY_LOSSES, aggregate, value_loss
 from rlkit.batch import Batch, BatchError, validate
@@ -680,6 +680,7 @@ def update(
     # every argument before any work: one refused after the first optimizer step (max_logprob_gap
     # was compared only at the end) donated the state as unfinished and lost the step
     int_at_least(epochs, "epochs", 1, " (passes over the batch)")
+    shuffle = check_switch(shuffle, "shuffle", "True: each epoch's mini-batches from a new random order of the rows")
     for size_name, size in (("mini_batch_size", mini_batch_size), ("micro_batch_size", micro_batch_size)):
         if size is not None:
             int_at_least(size, size_name, 1, " or None (the whole batch)")
