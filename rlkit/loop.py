@@ -69,7 +69,9 @@ def fit(
     that have it, with the last step done: the notebook dashboard draws the last step then, which
     its ``every`` may skip. On several processes only rank 0 calls the sinks (the metrics are the
     run's, the same on every rank), so a script may build its sinks on every rank: a sink with
-    ``all_ranks = True`` is called on every rank.
+    ``all_ranks = True`` is called on every rank. A sink that raises stops the run after its step;
+    on a lowered state every rank does (one small all-reduce per step): the others raise
+    :class:`rlkit.parallel.FailedOnAnotherRank`.
 
     Each step's metrics get ``time/step_s`` and ``time/elapsed_s``, the run's training wall time:
     it goes on from ``state.extras["fit/elapsed_s"]`` (kept in checkpoints), so a second ``fit``
@@ -97,11 +99,14 @@ def fit(
     _check_reward_inputs(state, recipe, reward, prompts)
     # every rank of a lowered state must run fit with the same settings (one all-gather per call;
     # a no-op on one process): a batch_size, steps or lr given to one rank only trained silently or hung
-    from rlkit.parallel.agree import check_fit_agrees
+    from rlkit.parallel.agree import check_fit_agrees, lowered_group
 
     _warn_unlowered(state)
     check_fit_agrees(state, recipe, prompts, steps=steps, batch_size=batch_size, shuffle=shuffle,
                      eval_every=eval_every, checkpointer=checkpointer)
+    # the ranks of a lowered state agree after each step's sinks whether one raised (one all-reduce):
+    # a sink failing on rank 0 alone stopped it there while the others waited in the next step
+    agree_sinks, sink_group = lowered_group(state)
     if state.step < steps:
         _check_prompt_lengths(state, recipe, prompts)
         ids = getattr(prompts, "ids", None)
@@ -145,16 +150,22 @@ def fit(
                         raise
                     metrics.update({f"eval/{k}": v for k, v in evaluated.items()})
                 history.append(step_row(state.step, metrics))
+                sink_error = None
                 try:
                     broadcast(sinks, state.step, metrics)
-                except Exception:
+                except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+                    sink_error = exc
+                if agree_sinks:
+                    sink_error = _sink_error_everywhere(sink_error, sink_group, state.step)
+                if sink_error is not None:
                     # a failing sink (a metrics server gone) stops the run, but the step it logged has
                     # trained: its checkpoint, when one is due, is saved first (it was skipped, and a
-                    # resume redid the step). Ctrl-C in a sink stops at once, as everywhere. On one
-                    # process only: a save is a collective, and a sink may fail on one rank alone
-                    if checkpointer is not None and not _several_processes():
+                    # resume redid the step). Ctrl-C in a sink stops at once, as everywhere. Several
+                    # processes save only where the ranks agreed that a sink failed (a lowered state):
+                    # a save is a collective, and a sink may fail on one rank alone
+                    if checkpointer is not None and (agree_sinks or not _several_processes()):
                         checkpointer.maybe_save(state)
-                    raise
+                    raise sink_error
                 if checkpointer is not None:
                     # after the sinks: a step inside a checkpoint has its metrics logged, even when this
                     # save is the last thing a preempted (SIGTERM) run does
@@ -425,6 +436,18 @@ def _is_live_state(state) -> bool:
     except Exception:  # noqa: BLE001
         return False
     return True
+
+
+def _sink_error_everywhere(error: Exception | None, group, step: int) -> Exception | None:
+    """This rank's sink error, or, where a sink failed on another rank only, a
+    :class:`~rlkit.parallel.agree.FailedOnAnotherRank` naming it: every rank stops after the same step."""
+    from rlkit.parallel.agree import FailedOnAnotherRank, failed_rank
+
+    rank = failed_rank(error is not None, group)
+    if error is not None or rank is None:
+        return error
+    return FailedOnAnotherRank(f"fit: a sink raised on rank {rank} after step {step}, so every rank stops after that step "
+                               f"(its error is in rank {rank}'s output); the step trained and is in exc.state", rank)
 
 
 def _several_processes() -> bool:

@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from rlkit._checks import check_context, int_at_least, is_int, is_real
+from rlkit._checks import check_context, check_switch, int_at_least, is_int, is_real
 
 
 #: the smallest temperature > 0 SamplingParams takes (0 is greedy)
@@ -53,9 +53,10 @@ class SamplingParams:
                              "overflow when divided by it); use temperature=0 for greedy decoding")
         if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be a number in (0, 1] (1: no top-p filter), got {self.top_p!r}")
-        if not isinstance(self.ignore_stop, bool):
-            # a truthy string such as "no" ignored every stop token silently
-            raise ValueError(f"SamplingParams.ignore_stop must be True or False, got {self.ignore_stop!r}")
+        # a truthy string such as "no" ignored every stop token silently; a numpy bool (a config read
+        # with numpy) is one, stored as a plain bool
+        object.__setattr__(self, "ignore_stop", check_switch(self.ignore_stop, "SamplingParams.ignore_stop",
+                                                             "True: exactly max_new_tokens per response, stop tokens ignored"))
         stop = self.stop_token_ids
         if isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable) or not all(is_int(t) and t >= 0 for t in stop):
             raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of token ids (ints >= 0), got {stop!r}")

@@ -28,12 +28,21 @@ import torch.distributed as dist
 
 from rlkit.data import prompt_fingerprint
 
-__all__ = ["RanksDisagreeError", "check_ranks_agree", "check_models_agree", "check_fit_agrees", "fit_settings",
+__all__ = ["RanksDisagreeError", "FailedOnAnotherRank", "check_ranks_agree", "failed_rank", "check_models_agree", "check_fit_agrees", "fit_settings",
            "checkpointer_settings", "gather_checked", "lowered_group", "model_fingerprint", "placement_group"]
 
 
 class RanksDisagreeError(RuntimeError):
     """The ranks of a job were given different settings or models; raised on every rank."""
+
+
+class FailedOnAnotherRank(RuntimeError):
+    """Raised on the ranks where nothing failed when :func:`failed_rank` reports that another rank
+    failed (``.rank``: the first rank that did), so that every rank stops at the same step."""
+
+    def __init__(self, message: str, rank: int):
+        super().__init__(message)
+        self.rank = rank
 
 
 def _distributed() -> bool:
@@ -383,6 +392,26 @@ def lowered_group(state) -> tuple[bool, Any]:
     if not applies and dp.mesh.ndim == 1:
         return True, dp.mesh.get_group()
     return applies, group
+
+
+def failed_rank(failed: bool, group=None) -> int | None:
+    """The lowest global rank of ``group`` (``None``: all ranks) on which ``failed`` is true, or
+    None when it is false on every rank: one all-reduce of one integer, which every rank of the group
+    must call. A step boundary's agreement: a sink that raised on rank 0 alone stopped rank 0 while
+    the others entered the next step's collectives and waited there for the process group's timeout.
+    On the CPU (gloo) unless the group's backend is NCCL alone."""
+    if not _distributed():
+        return 0 if failed else None
+    size = dist.get_world_size(group)
+    if size == 1:
+        return dist.get_rank() if failed else None
+    backend = str(dist.get_backend(group))
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    me = dist.get_rank()
+    flag = torch.tensor([dist.get_world_size() - me if failed else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    value = int(flag.item())
+    return dist.get_world_size() - value if value else None
 
 
 def _recipe_settings(recipe) -> dict[str, Any]:

@@ -44,6 +44,25 @@ def reward_metrics(batch: Batch) -> dict[str, float]:
     return out
 
 
+def _check_builtin_loss_options(fn, kw: dict, wants_generator: bool) -> None:
+    """rlkit's own policy losses check their options (``kl_cov_ratio`` in (0, 1], ``clip_ratio >= 0``,
+    ...) when called, which was after the first rollout: run one on a 1 x 4 batch of zeros here, so
+    that a recipe with a bad ``loss_kw`` is refused when built. Only its ``ValueError`` counts (the
+    option's message); a loss of the user's is never run here."""
+    if getattr(fn, "__module__", None) != "rlkit.algos.losses":
+        return
+    import torch
+
+    zeros, mask = torch.zeros(1, 4), torch.ones(1, 4)
+    extra = {"generator": torch.Generator().manual_seed(0)} if wants_generator else {}
+    try:
+        fn(zeros, zeros, zeros, mask, **kw, **extra)
+    except ValueError:
+        raise
+    except Exception:  # noqa: BLE001 - not an option's error: update's own call reports it
+        pass
+
+
 def _checked_reward_weights(weights: Any, name: str) -> tuple | dict:
     """``weights`` as a tuple (a sequence) or a dict copy (a mapping), each a finite number; a
     ``ValueError`` naming ``<name>.reward_weights`` otherwise. Their count or names are checked
@@ -137,8 +156,10 @@ class Recipe:
                 AGGREGATIONS.get(self.agg)
             # an agg the loss cannot receive is refused as update refuses it (only a non-default one:
             # the class's own default is what its loss is written for)
-            _resolve_loss(self.loss, self.loss_kw, self.agg if self.agg != default_agg else None,
-                          drop_agg=f"drop agg (agg={default_agg!r})")
+            loss_fn, loss_kw, wants_generator, _ = _resolve_loss(self.loss, self.loss_kw,
+                                                                 self.agg if self.agg != default_agg else None,
+                                                                 drop_agg=f"drop agg (agg={default_agg!r})")
+            _check_builtin_loss_options(loss_fn, loss_kw, wants_generator)
             # and the estimator and the engine (the KL mode: _resolve_kl above): they failed after the first rollout
             estimator = getattr(self, "estimator", None)
             if isinstance(estimator, str):
