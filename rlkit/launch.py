@@ -241,11 +241,29 @@ def _worker(payload: bytes, run_dir: str) -> tuple[int, bytes | None]:
             # cause from) then always has it, even if torch elastic stops this process between the two
             _write_atomic(os.path.join(run_dir, "errors", f"rank{rank}.json"), _exception_record(exc))
             _write_atomic(os.path.join(run_dir, "errors", f"rank{rank}.txt"), traceback.format_exc())
+            _close_after_error()
             raise
         return rank, pickled
     finally:
         os._exit = real_exit
         _write_atomic(marker + ".done", "")
+
+
+def _close_after_error() -> None:
+    """Destroy the process group ``fn`` left open when it raised (no barrier: a peer may be inside
+    a collective this rank will never join; it then fails with a connection error at once). Left to
+    interpreter exit, a gloo group with a DeviceMesh sub-group aborted the process now and then under
+    CPU load ("terminate called without an active exception", "Fatal Python error: Aborted"), and
+    that text went to the terminal under ``rlkit run``'s one-line error."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            from rlkit.parallel.mesh import shutdown
+
+            shutdown(wait=False)
+    except Exception:  # noqa: BLE001 - the worker's own error is the one to report
+        pass
 
 
 def _exception_record(exc: BaseException) -> str:
