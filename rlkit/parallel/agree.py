@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from rlkit.data import prompt_fingerprint
 
-__all__ = ["RanksDisagreeError", "FailedOnAnotherRank", "check_ranks_agree", "failed_rank", "check_models_agree", "check_fit_agrees", "fit_settings",
-           "checkpointer_settings", "gather_checked", "lowered_group", "model_fingerprint", "placement_group"]
+__all__ = ["RanksDisagreeError", "FailedOnAnotherRank", "check_ranks_agree", "failed_rank", "check_models_agree",
+           "check_fit_agrees", "fit_settings", "checkpointer_settings", "gather_checked", "lowered_group", "model_fingerprint", "placement_group"]
 
 
 class RanksDisagreeError(RuntimeError):
@@ -399,16 +399,17 @@ def failed_rank(failed: bool, group=None) -> int | None:
     None when it is false on every rank: one all-reduce of one integer, which every rank of the group
     must call. A step boundary's agreement: a sink that raised on rank 0 alone stopped rank 0 while
     the others entered the next step's collectives and waited there for the process group's timeout.
-    On the CPU (gloo) unless the group's backend is NCCL alone."""
+    The flag lives where :func:`rlkit.parallel.reshard.comm_device` puts a collective's tensors."""
     if not _distributed():
         return 0 if failed else None
     size = dist.get_world_size(group)
     if size == 1:
         return dist.get_rank() if failed else None
-    backend = str(dist.get_backend(group))
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    from rlkit.parallel.reshard import comm_device
+
     me = dist.get_rank()
-    flag = torch.tensor([dist.get_world_size() - me if failed else 0], dtype=torch.int64, device=device)
+    # world_size - rank: the MAX over the ranks that failed is the lowest of them
+    flag = torch.tensor([dist.get_world_size() - me if failed else 0], dtype=torch.int64, device=comm_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     value = int(flag.item())
     return dist.get_world_size() - value if value else None
